@@ -1,0 +1,34 @@
+"""resilient: fault-tolerant checkpointing and elastic training for PyTorch.
+
+The public surface is deliberately small; everything else lives in ``_``-prefixed modules.
+"""
+
+from ._checkpointer import Checkpointer
+from ._errors import (
+    CheckpointCorruptError,
+    CommitError,
+    ResilientError,
+    StateError,
+    StorageError,
+    UnsupportedStateError,
+)
+from ._policy import AnyOf, EveryNSeconds, EveryNSteps, KeepEvery, KeepLast
+from ._writer import SaveHandle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "SaveHandle",
+    "ResilientError",
+    "StateError",
+    "UnsupportedStateError",
+    "CheckpointCorruptError",
+    "CommitError",
+    "StorageError",
+    "AnyOf",
+    "EveryNSteps",
+    "EveryNSeconds",
+    "KeepLast",
+    "KeepEvery",
+]

@@ -1,0 +1,305 @@
+"""The Checkpointer: the one object a training loop talks to."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, MutableMapping
+
+import torch.distributed as dist
+
+from ._coord import Coordinator, make_coordinator
+from ._errors import CheckpointCorruptError, CommitError, ResilientError
+from ._local import LocalTier
+from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
+from ._restore import load_checkpoint
+from ._rng import apply_rng, capture_rng
+from ._snapshot import RankPlan, Staging, layout_key, plan_rank
+from ._tree import flatten_state
+from ._writer import BackgroundWriter, SaveHandle, SaveJob
+
+__all__ = ["Checkpointer"]
+
+log = logging.getLogger("resilient")
+
+_CODECS = {None: "none", "none": "none", "zstd": "zstd"}
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+class Checkpointer:
+    """Asynchronous, sharded, crash-consistent checkpoints of a training job.
+
+    ``save`` stalls only for a copy of this rank's share of the state into a reusable host
+    buffer; a background thread writes and checksums it, and the checkpoint is committed by
+    itself once every rank's files are durable. ``restore`` loads the newest checkpoint
+    that commits and verifies, at any world size.
+
+    Every rank calls ``save`` and ``restore`` (they are collective under
+    torch.distributed). Plain tensors are taken to be identical on every rank (as under
+    DDP) and written once in total, split evenly across ranks; DTensors are written shard by
+    shard. A save issued while the previous one is still being written first waits for it,
+    so host memory stays at one copy of this rank's share.
+
+    Args:
+        root: local directory (node-local disk) for checkpoints.
+        remote: object-store URL drained to in the background (tiered storage).
+        state: default state for ``save`` and ``restore``.
+        every: save only at steps divisible by this.
+        every_seconds: save when this many seconds passed since the last save.
+        keep: committed checkpoints kept locally (int, a retention policy, or None for all).
+        keep_remote: the same for the remote tier.
+        compress: None or "zstd" (per chunk; chunks that do not shrink are stored raw).
+        process_group: the group whose ranks save together (default: the world).
+        storage_options: options for the remote filesystem (credentials, endpoint).
+        rng: save and restore the torch / CUDA / Python / numpy generator states.
+        commit_timeout: seconds to wait for the other ranks when committing
+            (default ``RESILIENT_COMMIT_TIMEOUT`` or 600).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        remote: str | None = None,
+        state: Mapping[str, Any] | None = None,
+        every: int | None = None,
+        every_seconds: float | None = None,
+        keep: int | RetentionPolicy | None = 2,
+        keep_remote: int | RetentionPolicy | None = None,
+        compress: str | None = None,
+        process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        rng: bool = True,
+        commit_timeout: float | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if compress not in _CODECS:
+            raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
+        if remote is not None and not isinstance(remote, str):
+            raise ValueError(f"remote must be a URL string, got {type(remote).__name__}")
+        if chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
+        self.root = os.fspath(root)
+        self.remote = remote
+        self.storage_options = dict(storage_options or {})
+        self.state = state
+        self.rng = rng
+        self._save_policy = save_policy(every, every_seconds)
+        self._keep = retention_policy(keep)
+        self._keep_remote = retention_policy(keep_remote)
+        self._codec = _CODECS[compress]
+        self.commit_timeout = (
+            commit_timeout if commit_timeout is not None else _env_float("RESILIENT_COMMIT_TIMEOUT", 600.0)
+        )
+        if remote is not None:
+            log.warning("resilient: remote tier %s is not implemented yet; checkpoints stay local", remote)
+
+        self._tier = LocalTier(self.root)
+        self._tier.prepare()
+        self._coord: Coordinator = make_coordinator(process_group, self._tier)
+        if self._coord.is_leader:
+            for path in self._tier.clean_leftovers(keep_session=self._coord.session):
+                log.info("resilient: removed leftover of an uncommitted save: %s", path)
+        self._coord.barrier()
+
+        self._staging = Staging()
+        self._plan: tuple[tuple, RankPlan] | None = None
+        self._seq = 0
+        self._inflight: SaveHandle | None = None
+        self._handles: list[SaveHandle] = []
+        self._bad_steps: set[int] = set()
+        self._lock = threading.Lock()
+        self._read_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resilient-read")
+        self._writer = BackgroundWriter(
+            self._tier,
+            self._coord,
+            codec=self._codec,
+            chunk_bytes=chunk_bytes,
+            commit_timeout=self.commit_timeout,
+            after_commit=self._apply_retention,
+        )
+        self._closed = False
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._coord.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._coord.world_size
+
+    # -- saving -----------------------------------------------------------------------------
+    def _state(self, state: Mapping[str, Any] | None, call: str) -> Any:
+        state = state if state is not None else self.state
+        if state is None:
+            raise ValueError(f"{call}() needs a state: pass it, or bind one with Checkpointer(state=...)")
+        return state
+
+    def save(self, step: int, state: Mapping[str, Any] | None = None, *, force: bool = False) -> SaveHandle | None:
+        """Snapshot ``state`` for ``step`` if due (or ``force``); return its handle, else None.
+
+        Returns once the snapshot is in host memory; writing and committing go on in the
+        background. Waits first for the previous save's write, if still running.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        state = self._state(state, "save")
+        due = force or self._save_policy.due(step, time.monotonic())
+        if getattr(self._save_policy, "time_based", False) and not force:
+            due = self._coord.broadcast_flag(due)
+        if not due:
+            return None
+        handle = SaveHandle(step)
+        flat = flatten_state(state)  # raises on unsupported values before anything is written
+        previous = self._inflight
+        if previous is not None:
+            previous._done.wait()  # the staging buffer is still being written from
+        key = layout_key(flat.tensors)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, plan_rank(flat.tensors, self._coord.rank, self._coord.world_size))
+        plan = self._plan[1]
+        buffer = self._staging.stage(plan, flat.tensors)
+        handle.nbytes = buffer.numel()
+        handle.staged_at = time.perf_counter()
+        self._seq += 1
+        with self._lock:
+            self._inflight = handle
+            self._handles.append(handle)
+        self._writer.submit(
+            SaveJob(
+                seq=self._seq,
+                step=step,
+                buffer=buffer,
+                plan=plan,
+                tree=flat.tree,
+                rng=capture_rng() if self.rng else None,
+                handle=handle,
+                on_done=lambda job: None,
+            )
+        )
+        return handle
+
+    def _apply_retention(self, newest: int) -> None:
+        # leader, writer thread, right after a commit
+        for step in to_delete(self._keep, self._tier.committed_steps()):
+            self._tier.delete(step)
+            log.info("resilient: deleted checkpoint step %d (retention %r)", step, self._keep)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far is committed on the local tier.
+
+        Raises ``CommitError`` for the first save that failed (after waiting for all), and
+        ``TimeoutError`` when ``timeout`` seconds pass first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            handles, self._handles = self._handles, []
+        first_error: BaseException | None = None
+        for handle in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                handle.result(left)
+            except CommitError as exc:
+                first_error = first_error or exc
+            except TimeoutError:
+                with self._lock:
+                    self._handles = [h for h in handles if not h.done()] + self._handles
+                raise
+        if first_error is not None:
+            raise first_error
+
+    # -- reading ----------------------------------------------------------------------------
+    def latest(self) -> int | None:
+        """Step of the newest committed checkpoint on this rank's tier (None when there is
+        none). Commit records are checked here; data checksums are checked by restore."""
+        steps = [s for s in self._tier.committed_steps() if s not in self._bad_steps]
+        return steps[-1] if steps else None
+
+    def restore(self, state: MutableMapping[str, Any] | None = None) -> int:
+        """Load the newest checkpoint every rank can read and verify; return its step (0: none).
+
+        Entries of ``state`` are loaded in place (``load_state_dict``, tensor copies) and
+        plain values are replaced in the mapping. A checkpoint with a missing or corrupt file
+        is skipped with a warning naming it, and the next older one is tried.
+        """
+        self._check_open()
+        state = self._state(state, "restore")
+        try:
+            self.wait()
+        except CommitError as exc:
+            log.warning("resilient: %s", exc)
+        coord = self._coord
+        ceiling: int | None = None
+        while True:
+            steps = [s for s in self._tier.committed_steps() if s not in self._bad_steps]
+            if ceiling is not None:
+                steps = [s for s in steps if s < ceiling]
+            step = coord.agree_min(steps[-1] if steps else -1)
+            if step < 0:
+                return 0
+            failure: Exception | None = None
+            rng = None
+            try:
+                manifest = self._tier.read_manifest(step)
+                rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, self._read_pool)
+            except (CheckpointCorruptError, FileNotFoundError) as exc:
+                failure = exc
+            except ResilientError:
+                coord.any_true(True)
+                raise
+            if coord.any_true(failure is not None):
+                where = self._tier.step_dir(step)
+                log.warning(
+                    "resilient: skipping checkpoint %s: %s", where, failure or "another rank could not load it"
+                )
+                self._bad_steps.add(step)
+                ceiling = step
+                continue
+            if self.rng and rng:
+                apply_rng(rng)
+            return step
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for in-flight saves (up to ``timeout``) and stop the background thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait(timeout)
+        except (CommitError, TimeoutError) as exc:
+            log.warning("resilient: closing with unfinished saves: %s", exc)
+        finally:
+            self._writer.stop()
+            self._read_pool.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResilientError(f"Checkpointer for {self.root!r} is closed")
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpointer(root={self.root!r}, rank={self.rank}, world_size={self.world_size}, "
+            f"codec={self._codec!r}, keep={self._keep!r})"
+        )

@@ -1,0 +1,156 @@
+"""How ranks agree: on who commits, on which step to restore, and on save outcomes.
+
+Two channels, each used from one thread only:
+
+* the **process group** (main thread): short collectives inside calls that are collective
+  anyway (construction, restore, the time-based save decision);
+* the **rendezvous key-value store** (the background writer): per-save reports and
+  outcomes. A store, unlike a collective, has no ordering constraint with the training
+  loop's own collectives and every wait has a timeout, so a dead rank turns into a
+  ``CommitError`` rather than a hang.
+
+``SoloCoordinator`` is the same contract for one process without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Coordinator", "SoloCoordinator", "GroupCoordinator", "make_coordinator"]
+
+
+class Markers(Protocol):
+    """Storage-side half of leader election: which ranks see the same directory."""
+
+    def write_marker(self, session: str, rank: int) -> None: ...
+    def visible_markers(self, session: str) -> list[int]: ...
+    def remove_marker(self, session: str, rank: int) -> None: ...
+
+
+class Coordinator:
+    """The contract. ``leader`` is the rank that commits to the storage this rank writes to."""
+
+    rank: int = 0
+    world_size: int = 1
+    leader: int = 0
+    leaders: list[int] = [0]
+    session: str = ""
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    # -- main thread: collectives ---------------------------------------------------------
+    def agree_min(self, value: int) -> int:
+        return value
+
+    def any_true(self, flag: bool) -> bool:
+        return flag
+
+    def broadcast_flag(self, flag: bool) -> bool:
+        return flag
+
+    def barrier(self) -> None:
+        pass
+
+    # -- background thread: store ---------------------------------------------------------
+    def publish(self, key: str, value: bytes) -> None:
+        raise NotImplementedError
+
+    def collect(self, keys: list[str], timeout: float) -> list[bytes]:
+        raise NotImplementedError
+
+    def forget(self, key: str) -> None:
+        pass
+
+
+class SoloCoordinator(Coordinator):
+    def __init__(self) -> None:
+        self.session = uuid.uuid4().hex[:12]
+        self._values: dict[str, bytes] = {}
+
+    def publish(self, key: str, value: bytes) -> None:
+        self._values[key] = value
+
+    def collect(self, keys: list[str], timeout: float) -> list[bytes]:
+        return [self._values[k] for k in keys]
+
+    def forget(self, key: str) -> None:
+        self._values.pop(key, None)
+
+
+class GroupCoordinator(Coordinator):
+    def __init__(self, group: dist.ProcessGroup | None, markers: Markers) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        self.session = str(box[0])
+        # Ranks that see each other's marker files share storage; the lowest one commits.
+        # This is right for one machine, for node-local disks, and for a shared filesystem.
+        markers.write_marker(self.session, self.rank)
+        self.barrier()
+        self.leader = min(markers.visible_markers(self.session))
+        self.barrier()
+        markers.remove_marker(self.session, self.rank)
+        everyone: list[int | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, self.leader, group=group)
+        self.leaders = sorted({int(x) for x in everyone if x is not None})
+        self._store = dist.PrefixStore(f"resilient/{self.session}/", _default_store())
+
+    def _reduce(self, value: int, op: dist.ReduceOp) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return int(t.item())
+
+    def agree_min(self, value: int) -> int:
+        return self._reduce(value, dist.ReduceOp.MIN)
+
+    def any_true(self, flag: bool) -> bool:
+        return bool(self._reduce(int(flag), dist.ReduceOp.MAX))
+
+    def broadcast_flag(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self._device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        self.agree_min(0)  # a reduce is a barrier that works on every backend
+
+    def publish(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def collect(self, keys: list[str], timeout: float) -> list[bytes]:
+        self._store.wait(keys, timedelta(seconds=timeout))
+        return [self._store.get(k) for k in keys]
+
+    def forget(self, key: str) -> None:
+        try:
+            self._store.delete_key(key)
+        except Exception:  # a store without delete support just keeps a few bytes
+            pass
+
+
+def _default_store() -> dist.Store:
+    # The store every launcher (torchrun, resilient-run, init_method=tcp/env) already
+    # created for init_process_group; reusing it avoids opening another port.
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def make_coordinator(group: dist.ProcessGroup | None, markers: Markers) -> Coordinator:
+    """A group coordinator when torch.distributed is initialised, else a solo one."""
+    if dist.is_available() and dist.is_initialized():
+        return GroupCoordinator(group, markers)
+    return SoloCoordinator()

@@ -1,0 +1,51 @@
+"""The few exception types the runtime raises.
+
+All are rooted in :class:`ResilientError` (an ``Exception``, never ``BaseException``) and
+also in the built-in a caller would already catch for that kind of trouble, so that
+``except ValueError`` or ``except OSError`` around a training loop keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ResilientError",
+    "StateError",
+    "UnsupportedStateError",
+    "CheckpointCorruptError",
+    "CommitError",
+    "StorageError",
+]
+
+
+class ResilientError(Exception):
+    """Base of every error raised by resilient."""
+
+
+class StateError(ResilientError, ValueError):
+    """The state given to save/restore does not match the checkpoint (key, shape, dtype)."""
+
+
+class UnsupportedStateError(ResilientError, TypeError):
+    """A value in the state cannot be written without pickling it."""
+
+
+class CheckpointCorruptError(ResilientError):
+    """A checkpoint's files are missing, truncated or fail their checksum."""
+
+
+class StorageError(ResilientError, OSError):
+    """The checkpoint root cannot be used (missing permissions, not a directory, ...)."""
+
+
+class CommitError(ResilientError):
+    """A save did not commit. ``failures`` maps each failing rank to its error message.
+
+    One exception for the whole gang, with per-rank detail, because the cause is usually on
+    one rank and the symptom on all of them.
+    """
+
+    def __init__(self, step: int, failures: dict[int, str]) -> None:
+        self.step = step
+        self.failures = dict(failures)
+        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in sorted(self.failures.items()))
+        super().__init__(f"checkpoint for step {step} was not committed ({detail})")

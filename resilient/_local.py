@@ -1,0 +1,150 @@
+"""The local tier: a directory on the node's fast disk, with an atomic commit.
+
+Layout under ``root``::
+
+    step-0000000100/         committed checkpoints (exist only once complete)
+      manifest.json
+      rank-00000.data ...
+    .pending/<session>-<seq>/ saves being written (deleted at the next start if abandoned)
+    .trash/                  checkpoints being deleted (rename first, so a crash mid-delete
+                             never leaves a half-deleted step that still looks committed)
+
+Commit protocol (leader only, after every rank's files are fsync'd): write the manifest
+into the pending directory, fsync it, rename the directory to ``step-…``, fsync ``root``.
+A reader sees a step directory only after that rename, complete and checksummed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+
+from ._chunkio import fsync_dir
+from ._errors import StorageError
+from ._format import MANIFEST, decode_manifest, parse_step_dir, step_dir_name
+
+__all__ = ["LocalTier"]
+
+_PENDING = ".pending"
+_TRASH = ".trash"
+
+
+class LocalTier:
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+
+    # -- setup ------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Create the root and prove it is writable; raise StorageError naming it if not."""
+        try:
+            os.makedirs(os.path.join(self.root, _PENDING), exist_ok=True)
+            probe = os.path.join(self.root, _PENDING, f"probe-{uuid.uuid4().hex}")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as exc:
+            raise StorageError(
+                exc.errno or errno.EIO,
+                f"checkpoint root {self.root!r} is not a writable directory: {exc.strerror or exc}",
+            ) from exc
+
+    def write_marker(self, session: str, rank: int) -> None:
+        open(os.path.join(self.root, _PENDING, f"marker-{session}-{rank}"), "wb").close()
+
+    def visible_markers(self, session: str) -> list[int]:
+        prefix = f"marker-{session}-"
+        return [
+            int(name[len(prefix) :])
+            for name in os.listdir(os.path.join(self.root, _PENDING))
+            if name.startswith(prefix)
+        ]
+
+    def remove_marker(self, session: str, rank: int) -> None:
+        try:
+            os.unlink(os.path.join(self.root, _PENDING, f"marker-{session}-{rank}"))
+        except FileNotFoundError:
+            pass
+
+    def clean_leftovers(self, keep_session: str) -> list[str]:
+        """Delete abandoned pending saves and trash; returns what was removed."""
+        removed = []
+        for sub in (_PENDING, _TRASH):
+            base = os.path.join(self.root, sub)
+            if not os.path.isdir(base):
+                continue
+            for name in os.listdir(base):
+                if keep_session and name.startswith(f"marker-{keep_session}-"):
+                    continue
+                path = os.path.join(base, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+                removed.append(path)
+        return removed
+
+    # -- writing ----------------------------------------------------------------------------
+    def pending_dir(self, session: str, seq: int) -> str:
+        path = os.path.join(self.root, _PENDING, f"{session}-{seq:08d}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def discard(self, pending: str) -> None:
+        shutil.rmtree(pending, ignore_errors=True)
+
+    def commit(self, pending: str, step: int, manifest: bytes) -> None:
+        tmp = os.path.join(pending, MANIFEST + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(pending, MANIFEST))
+        fsync_dir(pending)
+        final = self.step_dir(step)
+        if os.path.exists(final):  # a step saved again (e.g. after a restore skipped it)
+            self._to_trash(final)
+        os.rename(pending, final)
+        fsync_dir(self.root)
+        self._empty_trash()
+
+    # -- reading ----------------------------------------------------------------------------
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, step_dir_name(step))
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose directory holds a manifest, ascending."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            step = parse_step_dir(name)
+            if step is not None and os.path.exists(os.path.join(self.root, name, MANIFEST)):
+                steps.append(step)
+        return sorted(steps)
+
+    def read_manifest(self, step: int) -> dict:
+        path = os.path.join(self.step_dir(step), MANIFEST)
+        with open(path, "rb") as f:
+            return decode_manifest(f.read(), path)
+
+    # -- deleting ---------------------------------------------------------------------------
+    def delete(self, step: int) -> None:
+        self._to_trash(self.step_dir(step))
+        self._empty_trash()
+
+    def _to_trash(self, path: str) -> None:
+        trash = os.path.join(self.root, _TRASH)
+        os.makedirs(trash, exist_ok=True)
+        os.rename(path, os.path.join(trash, f"{os.path.basename(path)}-{uuid.uuid4().hex[:8]}"))
+        fsync_dir(self.root)
+
+    def _empty_trash(self) -> None:
+        shutil.rmtree(os.path.join(self.root, _TRASH), ignore_errors=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

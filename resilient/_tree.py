@@ -1,0 +1,132 @@
+"""Turning the user's state into a JSON skeleton plus named tensors, and back.
+
+The skeleton keeps the exact nesting, container types and key types (optimizer state is
+keyed by int) so that ``load_state_dict`` receives what ``state_dict`` gave. Only plain
+JSON scalars are stored as values: anything else is refused at save time, naming the key,
+because writing it would need pickle, and a checkpoint must never run code when loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+from urllib.parse import quote
+
+import torch
+
+from ._errors import UnsupportedStateError
+
+__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful"]
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _child(path: str, key: Any) -> str:
+    return f"{path}/{quote(str(key), safe='')}" if path else quote(str(key), safe="")
+
+
+class Flattened:
+    """The result of flattening: ``tree`` (JSON-able) and ``tensors`` (name -> tensor)."""
+
+    def __init__(self) -> None:
+        self.tree: dict[str, Any] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def encode(self, obj: Any, path: str, *, expand_stateful: bool) -> dict[str, Any]:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_sparse or obj.layout != torch.strided:
+                raise UnsupportedStateError(
+                    f"state[{path!r}]: {obj.layout} tensors cannot be checkpointed; "
+                    "convert to a dense tensor first"
+                )
+            if path in self.tensors:
+                raise UnsupportedStateError(f"state[{path!r}]: two entries map to this name")
+            self.tensors[path] = obj
+            return {"t": "tensor", "name": path}
+        if expand_stateful and is_stateful(obj):
+            return {"t": "obj", "sd": self.encode(obj.state_dict(), path, expand_stateful=False)}
+        if isinstance(obj, Mapping):
+            items = []
+            seen: set[str] = set()
+            for key, value in obj.items():
+                if not isinstance(key, (str, int)) or isinstance(key, bool):
+                    raise UnsupportedStateError(
+                        f"state[{path!r}]: key {key!r} of type {type(key).__name__} "
+                        "cannot be checkpointed; use str or int keys"
+                    )
+                child = _child(path, key)
+                if child in seen:
+                    raise UnsupportedStateError(
+                        f"state[{path!r}]: keys {key!r} and {str(key)!r} collide"
+                    )
+                seen.add(child)
+                items.append([key, self.encode(value, child, expand_stateful=False)])
+            return {"t": "dict", "items": items}
+        if isinstance(obj, (list, tuple)):
+            kind = "list" if isinstance(obj, list) else "tuple"
+            return {
+                "t": kind,
+                "items": [
+                    self.encode(v, _child(path, i), expand_stateful=False)
+                    for i, v in enumerate(obj)
+                ],
+            }
+        if isinstance(obj, _SCALARS):
+            return {"t": "v", "v": obj}
+        raise UnsupportedStateError(
+            f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
+            "cannot be checkpointed without pickle; store tensors, numbers, strings, "
+            "lists and dicts, or an object with state_dict()/load_state_dict()"
+        )
+
+
+def flatten_state(state: Mapping[str, Any]) -> Flattened:
+    """Flatten every entry of ``state`` (objects with ``state_dict`` are expanded once)."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError(
+            f"state must be a mapping of names to objects, got {type(state).__name__}"
+        )
+    flat = Flattened()
+    flat.tree = {
+        "t": "dict",
+        "items": [[k, flat.encode(v, _child("", k), expand_stateful=True)] for k, v in state.items()],
+    }
+    for key in state:
+        if not isinstance(key, str):
+            raise UnsupportedStateError(f"state keys must be str, got {key!r}")
+    return flat
+
+
+def flatten_target(obj: Any, path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a restore target (after expanding ``state_dict``), by checkpoint name."""
+    flat = Flattened()
+    try:
+        flat.encode(obj, path, expand_stateful=True)
+    except UnsupportedStateError:
+        # A target may hold things we could never save (e.g. a live iterator in a plain
+        # value slot); they are replaced by the checkpoint's value, so they are not an error.
+        return {}
+    return flat.tensors
+
+
+def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor]) -> Any:
+    """Rebuild a Python value from a skeleton node, asking ``tensor(name)`` for tensors."""
+    kind = node["t"]
+    if kind == "tensor":
+        return tensor(node["name"])
+    if kind == "v":
+        return node["v"]
+    if kind == "dict":
+        return {k: build_value(v, tensor) for k, v in node["items"]}
+    if kind == "list":
+        return [build_value(v, tensor) for v in node["items"]]
+    if kind == "tuple":
+        return tuple(build_value(v, tensor) for v in node["items"])
+    if kind == "obj":
+        return build_value(node["sd"], tensor)
+    raise ValueError(f"unknown node type {kind!r} in checkpoint tree")

@@ -1,0 +1,256 @@
+"""The background half of a save: write this rank's file, then commit with the others.
+
+Sequence for one save (``seq`` counts saves; every rank issues them in the same order):
+
+1. every rank: write ``rank-NNNNN.data`` from the staged buffer into the shared pending
+   directory, fsync it, publish a JSON report (file record, what it holds, its tree).
+2. each leader (one per storage location): collect every rank's report, assemble the
+   manifest, commit it on its tier (see ``_local``), apply retention, publish the outcome.
+3. every rank: collect the leaders' outcomes and settle the save's handle.
+
+No step waits for the training loop, and a rank that never reports (killed) leaves the
+save uncommitted: the previous checkpoint stays the newest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ._chunkio import fsync_dir, write_chunked
+from ._coord import Coordinator
+from ._errors import CommitError
+from ._format import FORMAT, VERSION, data_file_name, encode_manifest
+from ._local import LocalTier
+from ._snapshot import RankPlan
+
+__all__ = ["SaveHandle", "SaveJob", "BackgroundWriter", "assemble_manifest"]
+
+log = logging.getLogger("resilient")
+
+
+class SaveHandle:
+    """Two-phase view of one save: staged when ``save`` returns, then committed (or failed)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.started = time.perf_counter()
+        self.staged_at: float | None = None
+        self.committed_at: float | None = None
+        self.nbytes = 0
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Block until committed; raise ``CommitError`` if it failed, ``TimeoutError`` if late."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} not committed within {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def _settle(self, error: BaseException | None) -> None:
+        self._error = error
+        self.committed_at = time.perf_counter()
+        self._done.set()
+
+
+@dataclass
+class SaveJob:
+    seq: int
+    step: int
+    buffer: torch.Tensor
+    plan: RankPlan
+    tree: dict[str, Any]
+    rng: dict[str, Any] | None
+    handle: SaveHandle
+    on_done: Callable[["SaveJob"], None]
+
+
+def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> dict[str, Any]:
+    """Merge every rank's report into one manifest; raise CommitError on disagreement."""
+    failures = {r["rank"]: r["error"] for r in reports if "error" in r}
+    if failures:
+        raise CommitError(step, failures)
+    first = reports[0]
+    for r in reports[1:]:
+        if r["signature"] != first["signature"]:
+            keys = sorted(set(r["meta"]) ^ set(first["meta"])) or sorted(
+                k for k in r["meta"] if r["meta"][k] != first["meta"].get(k)
+            )
+            raise CommitError(
+                step,
+                {r["rank"]: f"its state differs from rank {first['rank']}'s at {keys[:5]} "
+                 "(every rank must save the same names, shapes and dtypes)"},
+            )
+    tensors: dict[str, dict[str, Any]] = {}
+    replicated: dict[str, list[list[Any]]] = {}
+    for name, meta in first["meta"].items():
+        tensors[name] = {**meta, "boxes": []}
+        if meta["layout"] == "replicated":
+            replicated[name] = []
+    files: dict[str, Any] = {}
+    for r in reports:
+        if r["file"] is not None:
+            files[r["file"]] = r["record"]
+        for name, start, length, offset in r["replicated"]:
+            replicated[name].append([start, r["file"], offset, length])
+        for name, offsets, sizes, offset, nbytes in r["shards"]:
+            tensors[name]["boxes"].append(
+                {"offsets": offsets, "sizes": sizes, "pieces": [[r["file"], offset, nbytes]]}
+            )
+    for name, parts in replicated.items():
+        parts.sort(key=lambda p: p[0])
+        shape = tensors[name]["shape"]
+        tensors[name]["boxes"] = [
+            {"offsets": [0] * len(shape), "sizes": shape, "pieces": [[f, o, n] for _, f, o, n in parts]}
+        ]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "world_size": len(reports),
+        "created": time.time(),
+        "torch_version": torch.__version__.split("+")[0],
+        "codec": codec,
+        "files": files,
+        "tensors": tensors,
+        "ranks": [{"tree": r["tree"], "rng": r["rng"]} for r in reports],
+    }
+
+
+class BackgroundWriter:
+    """One daemon thread per Checkpointer; saves are processed strictly in order."""
+
+    def __init__(
+        self,
+        tier: LocalTier,
+        coord: Coordinator,
+        *,
+        codec: str,
+        chunk_bytes: int,
+        commit_timeout: float,
+        after_commit: Callable[[int], None],
+    ) -> None:
+        self.tier = tier
+        self.coord = coord
+        self.codec = codec
+        self.chunk_bytes = chunk_bytes
+        self.commit_timeout = commit_timeout
+        self.after_commit = after_commit
+        self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="resilient-encode")
+        self._thread = threading.Thread(target=self._loop, name="resilient-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        self._pool.shutdown()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            error: BaseException | None = None
+            try:
+                self._process(job)
+            except BaseException as exc:  # settle the handle whatever happens
+                error = exc if isinstance(exc, CommitError) else CommitError(
+                    job.step, {self.coord.rank: f"{type(exc).__name__}: {exc}"}
+                )
+            job.handle._settle(error)
+            if error is not None:
+                log.warning("resilient: %s", error)
+            job.on_done(job)
+
+    def _write_rank_file(self, job: SaveJob, pending: str) -> dict[str, Any]:
+        rank = self.coord.rank
+        name = data_file_name(rank) if job.buffer.numel() else None
+        record = None
+        if name is not None:
+            base = memoryview(job.buffer.numpy())
+            views, pos = [], 0
+            for blob in job.plan.blobs:
+                views.append(base[pos : pos + blob.length])
+                pos += blob.length
+            record = write_chunked(
+                os.path.join(pending, name),
+                views,
+                codec=self.codec,
+                chunk_bytes=self.chunk_bytes,
+                pool=self._pool,
+            )
+            fsync_dir(pending)
+        return {
+            "rank": rank,
+            "file": name,
+            "record": record,
+            "signature": job.plan.signature,
+            "meta": job.plan.meta,
+            "replicated": job.plan.replicated,
+            "shards": job.plan.shards,
+            "tree": job.tree,
+            "rng": job.rng,
+        }
+
+    def _process(self, job: SaveJob) -> None:
+        coord, seq = self.coord, job.seq
+        pending = self.tier.pending_dir(coord.session, seq)
+        try:
+            report = self._write_rank_file(job, pending)
+        except Exception as exc:
+            report = {"rank": coord.rank, "error": f"{type(exc).__name__}: {exc}"}
+        coord.publish(f"{seq}/report/{coord.rank}", json.dumps(report).encode())
+        if coord.is_leader:
+            self._commit_as_leader(job, pending)
+        outcomes = self._collect(job, [f"{seq}/outcome/{r}" for r in coord.leaders], "the commit")
+        coord.forget(f"{seq}/report/{coord.rank}")
+        failures: dict[int, str] = {}
+        for raw in outcomes:
+            failures.update({int(k): v for k, v in json.loads(raw)["failures"].items()})
+        if failures:
+            raise CommitError(job.step, failures)
+
+    def _commit_as_leader(self, job: SaveJob, pending: str) -> None:
+        coord, seq = self.coord, job.seq
+        failures: dict[int, str] = {}
+        try:
+            raws = self._collect(job, [f"{seq}/report/{r}" for r in range(coord.world_size)], "every rank's files")
+            manifest = assemble_manifest(job.step, [json.loads(r) for r in raws], self.codec)
+            self.tier.commit(pending, job.step, encode_manifest(manifest))
+            self.after_commit(job.step)
+        except CommitError as exc:
+            failures = exc.failures
+        except Exception as exc:
+            failures = {coord.rank: f"{type(exc).__name__}: {exc}"}
+        if failures:
+            self.tier.discard(pending)
+        coord.publish(f"{seq}/outcome/{coord.rank}", json.dumps({"failures": failures}).encode())
+        coord.forget(f"{seq - 1}/outcome/{coord.rank}")
+
+    def _collect(self, job: SaveJob, keys: list[str], what: str) -> list[bytes]:
+        try:
+            return self.coord.collect(keys, self.commit_timeout)
+        except Exception as exc:
+            raise CommitError(
+                job.step,
+                {self.coord.rank: f"timed out after {self.commit_timeout:.0f} s waiting for {what} "
+                 f"(is a rank dead?): {exc}"},
+            ) from exc
