@@ -27,6 +27,7 @@ log = logging.getLogger("resilient")
 
 _CODECS = {None: "none", "none": "none", "zstd": "zstd"}
 DEFAULT_CHUNK_BYTES = 16 << 20
+_EXIT_ON_ERROR_TIMEOUT = 30.0
 
 
 def _env_float(name: str, default: float) -> float:
@@ -276,16 +277,22 @@ class Checkpointer:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
-        """Wait for in-flight saves (up to ``timeout``) and stop the background thread."""
+        """Wait for in-flight saves and stop the background thread.
+
+        ``timeout`` defaults to the commit timeout; past it, what is unfinished is logged
+        and abandoned (it can never be mistaken for a committed checkpoint).
+        """
         if self._closed:
             return
         self._closed = True
+        timeout = self.commit_timeout if timeout is None else timeout
         try:
             self.wait(timeout)
         except (CommitError, TimeoutError) as exc:
             log.warning("resilient: closing with unfinished saves: %s", exc)
         finally:
-            self._writer.stop()
+            if not self._writer.stop(timeout=1.0):
+                log.warning("resilient: background writer still busy at close; abandoning it")
             self._read_pool.shutdown()
 
     def _check_open(self) -> None:
@@ -295,8 +302,10 @@ class Checkpointer:
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        # Leaving on an exception (often a dead peer): do not hold the process for the
+        # full commit timeout waiting for ranks that may be gone.
+        self.close(None if exc_type is None else min(self.commit_timeout, _EXIT_ON_ERROR_TIMEOUT))
 
     def __repr__(self) -> str:
         return (

@@ -147,9 +147,9 @@ def load_checkpoint(
                 f"key {key!r} is not in the checkpoint of step {step} "
                 f"(it holds: {', '.join(map(repr, saved_entries)) or 'nothing'})"
             )
-        if node["t"] == "obj" and not is_stateful(target):
-            raise StateError(f"key {key!r}: the checkpoint holds a state_dict, the state a {type(target).__name__}")
-        targets = flatten_target(target, key) if node["t"] in ("obj", "tensor") else {}
+        # Tensors the target already holds are filled in place (so DTensors keep their
+        # sharding); everything else is built fresh from the checkpoint.
+        targets = flatten_target(target, key)
         saved_names = set(_tensor_names(node))
         for name, t in targets.items():
             _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
@@ -200,8 +200,8 @@ def load_checkpoint(
 
     for key, target in list(state.items()):
         node = saved_entries[key]
-        if node["t"] == "obj":
-            target.load_state_dict(build_value(node["sd"], tensor_for))
+        if node["t"] in ("obj", "dict") and is_stateful(target):
+            target.load_state_dict(build_value(node, tensor_for))
         elif node["t"] != "tensor":
             state[key] = build_value(node, tensor_for)
     return record.get("rng")

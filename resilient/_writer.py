@@ -161,10 +161,14 @@ class BackgroundWriter:
     def submit(self, job: SaveJob) -> None:
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Ask the thread to finish its queue and stop; False if it is still busy after
+        ``timeout`` (it is a daemon, so it never keeps the process alive)."""
         self._jobs.put(None)
-        self._thread.join()
-        self._pool.shutdown()
+        self._thread.join(timeout)
+        alive = self._thread.is_alive()
+        self._pool.shutdown(wait=not alive)
+        return not alive
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -1,0 +1,33 @@
+import resilient
+
+
+def test_public_surface_is_pinned():
+    assert sorted(resilient.__all__) == sorted(
+        [
+            "Checkpointer",
+            "SaveHandle",
+            "ResilientError",
+            "StateError",
+            "UnsupportedStateError",
+            "CheckpointCorruptError",
+            "CommitError",
+            "StorageError",
+            "AnyOf",
+            "EveryNSteps",
+            "EveryNSeconds",
+            "KeepLast",
+            "KeepEvery",
+        ]
+    )
+    for name in resilient.__all__:
+        assert getattr(resilient, name) is not None
+
+
+def test_errors_are_rooted_in_builtins():
+    assert issubclass(resilient.ResilientError, Exception)
+    assert issubclass(resilient.StateError, ValueError)
+    assert issubclass(resilient.UnsupportedStateError, TypeError)
+    assert issubclass(resilient.StorageError, OSError)
+    err = resilient.CommitError(7, {1: "disk full", 0: "peer gone"})
+    assert err.failures == {0: "peer gone", 1: "disk full"}
+    assert "step 7" in str(err) and "rank 1: disk full" in str(err)

@@ -1,0 +1,81 @@
+"""Bad input gets one clear error and changes nothing."""
+
+import os
+
+import pytest
+import torch
+
+from resilient import Checkpointer, StateError, StorageError, UnsupportedStateError
+
+
+def test_unwritable_root_is_named(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(StorageError) as err:
+        Checkpointer(str(blocker / "ckpt"))
+    assert str(blocker / "ckpt") in str(err.value)
+
+
+def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"extra/hook.*function"):
+            ckpt.save(1, {"w": torch.ones(2), "extra": {"hook": lambda: 0}})
+        with pytest.raises(UnsupportedStateError, match="object"):
+            ckpt.save(1, {"w": object()})
+        ckpt.wait()
+        assert ckpt.latest() is None
+    assert [n for n in os.listdir(root) if not n.startswith(".")] == []
+
+
+@pytest.fixture
+def saved(root):
+    model = torch.nn.Linear(4, 3)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(5, {"model": model, "extra": torch.arange(4.0)})
+    return root
+
+
+def test_missing_key_is_named(saved):
+    with Checkpointer(saved) as ckpt:
+        with pytest.raises(StateError, match=r"key 'optim' is not in the checkpoint of step 5"):
+            ckpt.restore({"model": torch.nn.Linear(4, 3), "optim": {}})
+
+
+def test_shape_mismatch_names_key_and_shapes_and_changes_nothing(saved):
+    wrong = torch.nn.Linear(4, 5)
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    extra = torch.zeros(4)
+    with Checkpointer(saved) as ckpt:
+        with pytest.raises(StateError) as err:
+            ckpt.restore({"extra": extra, "model": wrong})
+    msg = str(err.value)
+    assert "model/" in msg and "[5, 4]" in msg and "[3, 4]" in msg
+    assert all(torch.equal(v, before[k]) for k, v in wrong.state_dict().items())
+    assert torch.equal(extra, torch.zeros(4))  # checked before anything was read
+
+
+def test_dtype_mismatch_is_named(saved):
+    with Checkpointer(saved) as ckpt:
+        with pytest.raises(StateError, match=r"key 'extra'.*float64.*float32"):
+            ckpt.restore({"extra": torch.zeros(4, dtype=torch.float64)})
+
+
+def test_module_with_missing_entries_is_refused(saved):
+    smaller = torch.nn.Linear(4, 3, bias=False)
+    with Checkpointer(saved) as ckpt:
+        with pytest.raises(StateError, match="model/bias"):
+            ckpt.restore({"model": smaller})
+
+
+def test_bad_arguments(root):
+    with pytest.raises(ValueError, match="compress"):
+        Checkpointer(root, compress="lz4")
+    with pytest.raises(ValueError, match="every"):
+        Checkpointer(root, every=0)
+    with pytest.raises(ValueError, match="keep"):
+        Checkpointer(root, keep=0)
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(ValueError, match="step"):
+            ckpt.save(-1, {"x": torch.ones(1)})
+        with pytest.raises(ValueError, match="needs a state"):
+            ckpt.save(1)

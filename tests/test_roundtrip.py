@@ -1,0 +1,181 @@
+"""Single-process behaviour of the engine: every state kind, bitwise, and its edges."""
+
+import math
+import os
+import random
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from resilient import Checkpointer, KeepEvery, KeepLast, AnyOf
+
+
+class Counter:
+    """A user object with state_dict/load_state_dict (like a stateful data loader)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.order = torch.randperm(10)
+
+    def state_dict(self):
+        return {"position": self.position, "order": self.order, "meta": {"epoch": 2, 3: "int key"}}
+
+    def load_state_dict(self, sd):
+        self.position = sd["position"]
+        self.order = sd["order"]
+        self.meta = sd["meta"]
+
+
+def make_training_state(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.BatchNorm1d(12), torch.nn.Linear(12, 3))
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(adam, max_lr=0.1, total_steps=100)
+    for _ in range(3):
+        adam.zero_grad()
+        model(torch.randn(8, 6)).pow(2).sum().backward()
+        adam.step()
+        sched.step()
+    return model, adam, sched
+
+
+def tensors_zoo():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "f32": torch.randn(4, 5, generator=g),
+        "f16": torch.randn(7, generator=g).half(),
+        "bf16": torch.randn(3, 3, generator=g).bfloat16(),
+        "f64": torch.randn(2, 2, 2, generator=g).double(),
+        "i8": torch.randint(-100, 100, (9,), dtype=torch.int8, generator=g),
+        "i64": torch.arange(12).reshape(3, 4),
+        "u8": torch.arange(256, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "c64": torch.randn(3, dtype=torch.complex64, generator=g),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "transposed": torch.arange(6.0).reshape(2, 3).t(),
+    }
+
+
+def test_every_state_kind_round_trips_bitwise(root):
+    model, adam, sched = make_training_state(0)
+    counter = Counter()
+    counter.position = 17
+    zoo = tensors_zoo()
+    values = {"epoch": 4, "loss": 0.125, "name": "run-42", "flags": [True, None], "nested": {"a": [1, 2.5, "x"]},
+              "tup": (1, 2), "nan": float("nan"), 7: "int key"}
+    state = {"model": model, "optim": adam, "sched": sched, "loader": counter, "zoo": zoo, "values": values,
+             "lone": torch.arange(5.0)}
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(state) == 0
+        ckpt.save(3, state)
+        ckpt.wait()
+        assert ckpt.latest() == 3
+    expected_draws = (random.random(), float(np.random.rand()), torch.rand(3))
+
+    model2, adam2, sched2 = make_training_state(1)  # different weights, same shapes
+    counter2 = Counter()
+    lone = torch.zeros(5)
+    state2 = {"model": model2, "optim": adam2, "sched": sched2, "loader": counter2, "zoo": None, "values": None,
+              "lone": lone}
+    random.seed(0)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(state2) == 3
+
+    for (k, a), (k2, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    sd, sd2 = adam.state_dict(), adam2.state_dict()
+    assert sd["param_groups"] == sd2["param_groups"]
+    for pid, per in sd["state"].items():
+        for name, t in per.items():
+            assert torch.equal(t, sd2["state"][pid][name]), (pid, name)
+    assert sched.state_dict() == sched2.state_dict()
+    assert counter2.position == 17 and torch.equal(counter2.order, counter.order)
+    assert counter2.meta == {"epoch": 2, 3: "int key"}
+    for name, t in zoo.items():
+        got = state2["zoo"][name]
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got, t) or (got.numel() == 0), name
+    got_values = state2["values"]
+    assert math.isnan(got_values.pop("nan")) and math.isnan(values.pop("nan"))
+    assert got_values == values and isinstance(got_values["tup"], tuple)
+    assert state2["lone"] is lone and torch.equal(lone, torch.arange(5.0))  # in place
+    draws = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert draws[0] == expected_draws[0] and draws[1] == expected_draws[1]
+    assert torch.equal(draws[2], expected_draws[2])
+
+
+def test_zstd_round_trip_and_raw_fallback(root):
+    model, adam, _ = make_training_state(0)
+    zeros = {"moments": torch.zeros(1 << 20)}  # compressible, like Adam state at step 0
+    state = {"model": model, "optim": adam, "z": zeros}
+    with Checkpointer(root, compress="zstd") as ckpt:
+        ckpt.save(1, state)
+    data = os.path.join(root, "step-0000000001", "rank-00000.data")
+    assert os.path.getsize(data) < (1 << 20)  # 4 MiB of zeros shrank
+    state2 = {"model": make_training_state(5)[0], "optim": None, "z": None}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(state2) == 1
+    assert torch.equal(state2["z"]["moments"], zeros["moments"])
+    for a, b in zip(model.parameters(), state2["model"].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_policies_every_force_and_retention(root):
+    state = {"x": torch.zeros(3)}
+    with Checkpointer(root, every=5, keep=AnyOf(KeepLast(2), KeepEvery(10))) as ckpt:
+        saved = [s for s in range(1, 31) if ckpt.save(s, state) is not None]
+        assert saved == [5, 10, 15, 20, 25, 30]
+        assert ckpt.save(31, state, force=True) is not None
+        ckpt.wait()
+        steps = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-"))
+        assert steps == [10, 20, 30, 31]
+    with Checkpointer(root, keep=None, every_seconds=3600) as ckpt:
+        assert ckpt.save(40, state) is None  # not yet an hour
+        assert ckpt.latest() == 31
+
+
+def test_host_memory_does_not_grow_across_saves(root):
+    state = {"big": torch.randn(16 << 20 // 4)}  # 16 MiB
+    proc = psutil.Process()
+    with Checkpointer(root, keep=1) as ckpt:
+        for step in range(3):
+            ckpt.save(step, state)
+        ckpt.wait()
+        before = proc.memory_info().rss
+        for step in range(3, 13):
+            state["big"].add_(1)
+            ckpt.save(step, state)
+        ckpt.wait()
+        grown = proc.memory_info().rss - before
+    assert grown < 12 << 20, f"RSS grew by {grown >> 20} MiB over 10 saves of 16 MiB"
+
+
+def test_save_returns_before_commit_and_commits_by_itself(root):
+    state = {"big": torch.randn(64 << 20 // 4)}
+    with Checkpointer(root) as ckpt:
+        handle = ckpt.save(1, state)
+        assert handle.staged_at is not None
+        state["big"].zero_()  # mutating after save must not change what is written
+        handle.result(timeout=60)
+        assert handle.committed
+    target = {"big": torch.empty(64 << 20 // 4)}
+    with Checkpointer(root) as ckpt:
+        ckpt.restore(target)
+    assert target["big"].abs().sum() > 0
+
+
+def test_abandoned_pending_saves_are_cleaned_at_start(root):
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"x": torch.ones(2)})
+    junk = os.path.join(root, ".pending", "deadbeef-00000007")
+    os.makedirs(junk)
+    open(os.path.join(junk, "rank-00000.data"), "wb").write(b"partial")
+    with Checkpointer(root) as ckpt:
+        assert not os.path.exists(junk)
+        assert ckpt.latest() == 1

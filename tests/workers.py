@@ -1,0 +1,133 @@
+"""Scenarios run by ``tests.launch`` in separate processes (one per rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from resilient import Checkpointer
+
+GLOBAL_BATCH = 16
+
+
+def init() -> tuple[int, int]:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("FORCE_DIST"):
+        dist.init_process_group("gloo", init_method="env://")
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build(dropout: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(64, 8)
+    )
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.5)
+    return model, optim, sched
+
+
+def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same global batch at a step whatever the world size; each rank takes its rows."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(GLOBAL_BATCH, 32, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 8, generator=g)
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def train(a: dict) -> None:
+    """DDP training with a checkpoint every ``every`` steps; optionally SIGKILL one rank."""
+    rank, world = init()
+    model, optim, sched = build(a.get("dropout", 0.1))
+    ddp = DDP(model) if world > 1 else model
+    state = {"model": model, "optim": optim, "sched": sched, "progress": {"seen": 0}}
+    with Checkpointer(a["root"], every=a["every"], state=state) as ckpt:
+        start = ckpt.restore()
+        print(f"rank {rank} restored step {start}", flush=True)
+        for step in range(start, a["total"]):
+            x, y = batch(step, rank, world)
+            optim.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            optim.step()
+            sched.step()
+            state["progress"]["seen"] += x.shape[0]
+            ckpt.save(step + 1)
+            if a.get("kill_at") == step + 1 and rank == a.get("kill_rank", 1):
+                ckpt.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0 and a.get("out"):
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, a["out"])
+        with open(a["out"] + ".json", "w") as f:
+            json.dump({"start": start, "progress": state["progress"]}, f)
+
+
+def kill_during_write(a: dict) -> None:
+    """Commit step 1, start saving step 2, SIGKILL rank ``victim`` while it writes."""
+    rank, world = init()
+    n = a["mbytes"] * (1 << 20) // 4
+    state = {"w": torch.full((n,), 1.0), "v": torch.arange(1000, dtype=torch.float64)}
+    ckpt = Checkpointer(a["root"], keep=None)
+    ckpt.save(1, state)
+    ckpt.wait()
+    state["w"].fill_(2.0)
+    ckpt.save(2, state)
+    if rank == a["victim"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.wait()  # the survivor cannot commit: it times out waiting for the victim
+
+
+def dtensor_box_tensors(world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    full_a = torch.randn(10, 6, generator=g)
+    full_b = torch.randn(5, 3, generator=g).to(torch.bfloat16)
+    full_c = torch.arange(21, dtype=torch.int64)
+    return {
+        "a": distribute_tensor(full_a, mesh, [Shard(0)]),
+        "b": distribute_tensor(full_b, mesh, [Shard(1)]),
+        "c": distribute_tensor(full_c, mesh, [Replicate()]),
+        "plain": torch.linspace(0, 1, 33),
+    }, {"a": full_a, "b": full_b, "c": full_c, "plain": torch.linspace(0, 1, 33)}
+
+
+def dtensor_save(a: dict) -> None:
+    rank, world = init()
+    tensors, _ = dtensor_box_tensors(world)
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        ckpt.save(a.get("step", 5), {"t": tensors})
+
+
+def dtensor_load(a: dict) -> None:
+    """Restore into DTensors on this world's mesh (zeroed first) and check every element."""
+    rank, world = init()
+    tensors, full = dtensor_box_tensors(world)
+    with torch.no_grad():
+        for t in tensors.values():
+            (t.to_local() if hasattr(t, "to_local") else t).zero_()
+    state = {"t": dict(tensors)}
+    with Checkpointer(a["root"]) as ckpt:
+        step = ckpt.restore(state)
+    assert step == a["expect_step"], (step, a["expect_step"])
+    for name, t in tensors.items():
+        assert state["t"][name] is t, f"{name} was not loaded in place"
+        got = t.full_tensor() if hasattr(t, "full_tensor") else t
+        assert torch.equal(got, full[name]), name
+    print(f"rank {rank} dtensor ok at step {step}", flush=True)
+
+
+SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load)}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+    if dist.is_initialized():
+        dist.destroy_process_group()
