@@ -246,12 +246,18 @@ class Checkpointer:
             log.warning("resilient: %s", exc)
         coord = self._coord
         ceiling: int | None = None
+        touched = False  # a failed load may have written into the state already
         while True:
             steps = [s for s in self._tier.committed_steps() if s not in self._bad_steps]
             if ceiling is not None:
                 steps = [s for s in steps if s < ceiling]
             step = coord.agree_min(steps[-1] if steps else -1)
             if step < 0:
+                if touched:
+                    raise CheckpointCorruptError(
+                        f"no loadable checkpoint in {self.root!r}: every committed one failed to "
+                        "load, and the state may be partially overwritten (see warnings above)"
+                    )
                 return 0
             failure: Exception | None = None
             rng = None
@@ -270,6 +276,7 @@ class Checkpointer:
                 )
                 self._bad_steps.add(step)
                 ceiling = step
+                touched = True
                 continue
             if self.rng and rng:
                 apply_rng(rng)

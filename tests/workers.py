@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,7 @@ def kill_during_write(a: dict) -> None:
     state["w"].fill_(2.0)
     ckpt.save(2, state)
     if rank == a["victim"]:
+        time.sleep(a.get("delay", 0.0))
         os.kill(os.getpid(), signal.SIGKILL)
     ckpt.wait()  # the survivor cannot commit: it times out waiting for the victim
 

@@ -1,0 +1,110 @@
+"""Crash consistency and integrity in one process: SIGKILL at any moment, flipped bytes."""
+
+import json
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+
+from resilient import Checkpointer, CheckpointCorruptError
+
+from .launch import run_ranks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.0, 0.03, 0.15])
+def test_sigkill_at_any_moment_leaves_a_consistent_latest(tmp_path, delay):
+    root = str(tmp_path / "run")
+    [result] = run_ranks("kill_during_write", 1, {"root": root, "mbytes": 96, "victim": 0, "delay": delay},
+                         expect_ok=False)
+    assert result.returncode == -9
+    with Checkpointer(root) as ckpt:
+        step = ckpt.latest()
+        assert step in (1, 2)
+        state = {"w": torch.empty(96 * (1 << 20) // 4), "v": torch.empty(1000, dtype=torch.float64)}
+        assert ckpt.restore(state) == step
+    assert torch.equal(state["w"], torch.full_like(state["w"], float(step)))
+    assert torch.equal(state["v"], torch.arange(1000, dtype=torch.float64))
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x80]))
+
+
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_flipped_byte_is_skipped_with_a_warning_naming_the_file(root, caplog, compress):
+    state = {"w": torch.arange(100_000, dtype=torch.float32)}
+    with Checkpointer(root, keep=None, compress=compress) as ckpt:
+        ckpt.save(1, state)
+        state["w"].add_(1)
+        ckpt.save(2, state)
+    bad = os.path.join(root, "step-0000000002", "rank-00000.data")
+    _flip(bad, os.path.getsize(bad) // 2)
+    target = {"w": torch.zeros(100_000)}
+    with caplog.at_level(logging.WARNING, logger="resilient"):
+        with Checkpointer(root) as ckpt:
+            assert ckpt.restore(target) == 1
+            assert ckpt.latest() == 1  # restore learned step 2 is bad
+    assert torch.equal(target["w"], torch.arange(100_000, dtype=torch.float32))
+    assert any(bad in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
+
+
+def test_missing_or_truncated_file_is_skipped(root, caplog):
+    state = {"w": torch.ones(1000)}
+    with Checkpointer(root, keep=None) as ckpt:
+        for step in (1, 2, 3):
+            state["w"].fill_(step)
+            ckpt.save(step, state)
+    os.unlink(os.path.join(root, "step-0000000003", "rank-00000.data"))
+    with open(os.path.join(root, "step-0000000002", "rank-00000.data"), "r+b") as f:
+        f.truncate(100)
+    target = {"w": torch.zeros(1000)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(target) == 1
+    assert torch.equal(target["w"], torch.ones(1000))
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "missing" in messages and "truncated" in messages
+
+
+def test_only_checkpoint_corrupt_raises_rather_than_return_half_loaded(root):
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1000)})
+    _flip(os.path.join(root, "step-0000000001", "rank-00000.data"), 5)
+    # With nothing older to fall back to, a restore that may have touched the state says so.
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(CheckpointCorruptError, match="partially"):
+            ckpt.restore({"w": torch.zeros(1000)})
+
+
+def test_checkpoints_hold_no_pickle_and_load_without_it(root, monkeypatch):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": model, "opt": opt, "meta": {"a": [1, "b"]}})
+    step_dir = os.path.join(root, "step-0000000001")
+    assert sorted(os.listdir(step_dir)) == ["manifest.json", "rank-00000.data"]
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        json.load(f)  # plain JSON
+    with open(os.path.join(step_dir, "rank-00000.data"), "rb") as f:
+        assert not f.read(2).startswith(b"\x80")  # no pickle protocol header
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("restore tried to unpickle")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore({"model": model2, "opt": opt2, "meta": None}) == 1
+    assert torch.equal(model2.weight, model.weight)
