@@ -1,0 +1,90 @@
+"""A small real training run with resilient checkpoints: the Quickstart's main job.
+
+Single process:            python examples/train.py
+Two processes (DDP, gloo): torchrun --nproc-per-node 2 examples/train.py
+Simulate a crash:          python examples/train.py --crash-at 120   (SIGKILLs itself)
+Run it again and it resumes from the last committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from resilient import Checkpointer
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default="runs/example", help="checkpoint directory (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=200, help="total training steps (default: %(default)s)")
+    p.add_argument("--every", type=int, default=25, help="checkpoint every N steps (default: %(default)s)")
+    p.add_argument("--width", type=int, default=512, help="hidden width (default: %(default)s)")
+    p.add_argument("--crash-at", type=int, default=None, help="SIGKILL this process after that step")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, args.width), torch.nn.GELU(), torch.nn.Dropout(0.05),
+        torch.nn.Linear(args.width, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, 1),
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
+    net = DDP(model) if world > 1 else model
+    state = {"model": model, "optim": optim, "sched": sched, "log": {"losses": []}}
+
+    with Checkpointer(args.root, every=args.every, state=state) as ckpt:
+        start = ckpt.restore()
+        if rank == 0:
+            print(f"{'resumed from step ' + str(start) if start else 'starting fresh'} "
+                  f"(world size {world}, checkpoints in {os.path.abspath(args.root)})", flush=True)
+        stall = 0.0
+        t0 = time.perf_counter()
+        for step in range(start, args.steps):
+            g = torch.Generator().manual_seed(step * world + rank)
+            x = torch.randn(128, 64, generator=g)
+            with torch.no_grad():
+                y = teacher(x)
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            sched.step()
+            state["log"]["losses"].append(round(loss.item(), 6))
+            s0 = time.perf_counter()
+            handle = ckpt.save(step + 1)
+            stall += time.perf_counter() - s0
+            if rank == 0 and (handle or (step + 1) % 50 == 0):
+                note = f"  checkpoint staged in {(handle.staged_at - handle.started) * 1e3:.1f} ms" if handle else ""
+                print(f"step {step + 1:4d}  loss {loss.item():.5f}{note}", flush=True)
+            if args.crash_at == step + 1:
+                if rank == 0:
+                    print(f"simulating a crash: SIGKILL at step {step + 1} (last checkpoint: {ckpt.latest()})",
+                          flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.wait()
+        if rank == 0:
+            took = time.perf_counter() - t0
+            print(f"done: {args.steps - start} steps in {took:.1f} s; training stalled {stall * 1e3:.0f} ms "
+                  f"for checkpoints; newest checkpoint: step {ckpt.latest()}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
