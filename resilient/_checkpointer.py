@@ -123,7 +123,9 @@ class Checkpointer:
         self._handles: list[SaveHandle] = []
         self._bad_steps: set[int] = set()
         self._lock = threading.Lock()
-        self._read_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="resilient-read")
+        # Cold reads reach the disk's sequential bandwidth only with several requests in
+        # flight (measured: 4 threads ~80%, 8 threads ~90% of one sequential reader).
+        self._read_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="resilient-read")
         self._writer = BackgroundWriter(
             self._tier,
             self._coord,

@@ -32,7 +32,9 @@ class RankResult:
     output: str
 
 
-def start_ranks(scenario: str, world_size: int, args: dict, env: dict | None = None) -> list[subprocess.Popen]:
+def start_ranks(
+    scenario: str, world_size: int, args: dict, env: dict | None = None, module: str = "tests.workers"
+) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -45,13 +47,13 @@ def start_ranks(scenario: str, world_size: int, args: dict, env: dict | None = N
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "RESILIENT_COMMIT_TIMEOUT": "30",
             **(env or {}),
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "tests.workers", scenario, json.dumps(args)],
+                [sys.executable, "-m", module, scenario, json.dumps(args)],
                 cwd=REPO,
                 env=penv,
                 stdout=subprocess.PIPE,

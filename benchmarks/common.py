@@ -1,0 +1,93 @@
+"""Measurements shared by the benchmarks: the machine's limits and a peak-RSS sampler.
+
+Every benchmark measures these in the same run as the figures it reports, because the
+machines are noisy: ratios against the limits are what carry over between runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+import torch
+
+GB = 1e9
+
+
+def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
+    """Best time to copy ``nbytes`` into an already touched buffer (the CPU stall floor)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def drop_cache(path: str) -> None:
+    """Evict a file (or every file under a directory) from the page cache: the next read is cold."""
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_seconds(directory: str, nbytes: int, block: int = 64 << 20) -> tuple[float, float]:
+    """(sequential write + fsync, cold sequential read) seconds for ``nbytes`` in ``directory``."""
+    path = os.path.join(directory, "disk-probe.bin")
+    buf = memoryview(torch.empty(block, dtype=torch.uint8).fill_(7).numpy())
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    done = 0
+    while done < nbytes:
+        done += os.write(fd, buf[: min(block, nbytes - done)])
+    os.fsync(fd)
+    os.close(fd)
+    write = time.perf_counter() - t
+    drop_cache(path)
+    rbuf = bytearray(block)
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(rbuf):
+            pass
+    read = time.perf_counter() - t
+    os.unlink(path)
+    return write, read
+
+
+class PeakRSS:
+    """Samples this process's RSS every few ms; ``extra`` is the peak above the start."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self._proc = psutil.Process()
+        self._stop = threading.Event()
+        self.base = self._proc.memory_info().rss
+        self.peak = self.base
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
