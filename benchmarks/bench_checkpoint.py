@@ -161,7 +161,7 @@ class Method:
                 for k, v in loaded.items():
                     local[k].copy_(v)
             return time.perf_counter() - t0
-        where = self.root if self.ckpt is not None else self.path(step)
+        where = os.path.join(self.root, f"step-{step:010d}") if self.ckpt is not None else self.path(step)
         drop_cache(where)
         _barrier()
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any, Mapping, MutableMapping
 import torch.distributed as dist
 
 from ._coord import Coordinator, make_coordinator
-from ._errors import CheckpointCorruptError, CommitError, ResilientError
+from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
 from ._local import LocalTier
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import load_checkpoint
@@ -192,7 +192,6 @@ class Checkpointer:
                 tree=flat.tree,
                 rng=capture_rng() if self.rng else None,
                 handle=handle,
-                on_done=lambda job: None,
             )
         )
         return handle
@@ -262,16 +261,22 @@ class Checkpointer:
                     )
                 return 0
             failure: Exception | None = None
+            refused: ResilientError | None = None
             rng = None
             try:
                 manifest = self._tier.read_manifest(step)
                 rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, self._read_pool)
             except (CheckpointCorruptError, FileNotFoundError) as exc:
                 failure = exc
-            except ResilientError:
-                coord.any_true(True)
-                raise
-            if coord.any_true(failure is not None):
+            except ResilientError as exc:  # the state does not fit: no older step will help
+                refused = exc
+            # 0: loaded, 1: this checkpoint is unusable here, 2: the state was refused
+            verdict = coord.agree_max(2 if refused else 1 if failure else 0)
+            if verdict == 2:
+                raise refused or StateError(
+                    f"another rank refused to load step {step} into its state (see its error)"
+                )
+            if verdict == 1:
                 where = self._tier.step_dir(step)
                 log.warning(
                     "resilient: skipping checkpoint %s: %s", where, failure or "another rank could not load it"
@@ -300,7 +305,7 @@ class Checkpointer:
         except (CommitError, TimeoutError) as exc:
             log.warning("resilient: closing with unfinished saves: %s", exc)
         finally:
-            if not self._writer.stop(timeout=1.0):
+            if not self._writer.stop(timeout=timeout):
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._read_pool.shutdown()
 

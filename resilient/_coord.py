@@ -49,8 +49,8 @@ class Coordinator:
     def agree_min(self, value: int) -> int:
         return value
 
-    def any_true(self, flag: bool) -> bool:
-        return flag
+    def agree_max(self, value: int) -> int:
+        return value
 
     def broadcast_flag(self, flag: bool) -> bool:
         return flag
@@ -116,8 +116,8 @@ class GroupCoordinator(Coordinator):
     def agree_min(self, value: int) -> int:
         return self._reduce(value, dist.ReduceOp.MIN)
 
-    def any_true(self, flag: bool) -> bool:
-        return bool(self._reduce(int(flag), dist.ReduceOp.MAX))
+    def agree_max(self, value: int) -> int:
+        return self._reduce(value, dist.ReduceOp.MAX)
 
     def broadcast_flag(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int64, device=self._device)

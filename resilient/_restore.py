@@ -202,7 +202,7 @@ def load_checkpoint(
         node = saved_entries[key]
         if node["t"] in ("obj", "dict") and is_stateful(target):
             target.load_state_dict(build_value(node, tensor_for))
-        elif node["t"] != "tensor":
+        else:  # tensors loaded in place come back as the same objects
             state[key] = build_value(node, tensor_for)
     return record.get("rng")
 

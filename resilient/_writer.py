@@ -79,7 +79,6 @@ class SaveJob:
     tree: dict[str, Any]
     rng: dict[str, Any] | None
     handle: SaveHandle
-    on_done: Callable[["SaveJob"], None]
 
 
 def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> dict[str, Any]:
@@ -182,7 +181,13 @@ class BackgroundWriter:
             job.handle._settle(error)
             if error is not None:
                 log.warning("resilient: %s", error)
-            job.on_done(job)
+            elif self.coord.is_leader:
+                # Housekeeping after the handle settles: deleting old checkpoints is not
+                # part of committing this one, and must not delay whoever waits for it.
+                try:
+                    self.after_commit(job.step)
+                except Exception as exc:
+                    log.warning("resilient: retention after step %d failed: %s", job.step, exc)
 
     def _write_rank_file(self, job: SaveJob, pending: str) -> dict[str, Any]:
         rank = self.coord.rank
@@ -239,7 +244,6 @@ class BackgroundWriter:
             raws = self._collect(job, [f"{seq}/report/{r}" for r in range(coord.world_size)], "every rank's files")
             manifest = assemble_manifest(job.step, [json.loads(r) for r in raws], self.codec)
             self.tier.commit(pending, job.step, encode_manifest(manifest))
-            self.after_commit(job.step)
         except CommitError as exc:
             failures = exc.failures
         except Exception as exc:

@@ -90,3 +90,9 @@ def test_corrupt_shard_seen_by_one_rank_makes_all_ranks_fall_back(tmp_path):
         f.write(bytes([byte[0] ^ 0x01]))
     results = run_ranks("dtensor_load", 2, {"root": root, "expect_step": 3})
     assert "rank-00001.data" in results[1].output and "checksum mismatch" in results[1].output
+
+
+def test_state_refused_on_one_rank_raises_on_every_rank(tmp_path):
+    results = run_ranks("mismatch_on_one_rank", 2, {"root": str(tmp_path / "run")}, timeout=60)
+    assert "shape mismatch" in results[1].output
+    assert "rank 0 refused: another rank refused" in results[0].output
