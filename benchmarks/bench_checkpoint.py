@@ -24,6 +24,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -229,6 +230,7 @@ def worker(args: dict[str, Any]) -> None:
             method = Method(name, root, state, rank, world, args["layout"])
             method.save(1)  # warm-up: buffers, daemons, first touch
             for step in range(2, 2 + args["repeats"]):
+                time.sleep(args.get("gap", 1.0))  # saves are spaced by training steps, not back to back
                 _barrier()
                 stall, durable = method.save(step)
                 stalls.append(stall)
@@ -295,7 +297,10 @@ def main() -> None:
               f"cold read {limits['read_gbps']:.2f} GB/s", flush=True)
         for world in [int(w) for w in a.worlds.split(",")]:
             for layout in ("replicated", "sharded") if world > 1 else ("replicated",):
-                args = {"gb": gb, "layout": layout, "methods": methods, "root": os.path.join(base, "ck"),
+                runnable = [m for m in methods if _fits(m, gb, world, layout)]
+                for m in sorted(set(methods) - set(runnable), key=methods.index):
+                    print(f"# {gb:g} GB, {world} rank(s), {layout}: {m} skipped (its copies would not fit in RAM)")
+                args = {"gb": gb, "layout": layout, "methods": runnable, "root": os.path.join(base, "ck"),
                         "slowdown": world == 1, "repeats": a.repeats}
                 threads = max(1, (os.cpu_count() or 1) // world)
                 procs = start_ranks("worker", world, args, module="benchmarks.bench_checkpoint",
@@ -307,7 +312,7 @@ def main() -> None:
                     if r.returncode != 0 or not line:
                         sys.exit(f"worker rank {r.rank} failed ({r.returncode}):\n{r.output[-4000:]}")
                     per_rank.append(json.loads(line[0][7:]))
-                for i, name in enumerate(methods):
+                for i, name in enumerate(runnable):
                     rr = [pr[i] for pr in per_rank]
                     worst = {k: max(x[k] or 0 for x in rr) for k in ("stall", "durable", "restore", "rss_extra")}
                     local = max(x["local_bytes"] for x in rr)
@@ -325,6 +330,17 @@ def main() -> None:
     print("\n" + table(rows))
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# host copies of the rank's local state each method holds at its peak, besides the state itself
+_COPIES = {"resilient": 1.0, "torch.save": 0.2, "dcp.save": 0.2, "dcp.async_save(thread)": 1.0,
+           "dcp.async_save(process)": 2.0, "dcp.async_save+DefaultStager": 1.0}
+
+
+def _fits(method: str, gb: float, world: int, layout: str) -> bool:
+    local = gb if layout == "replicated" else gb / world
+    need = world * local * (1 + _COPIES[method]) + gb  # + page cache the writes pin while in flight
+    return need * GB < 0.8 * psutil.virtual_memory().total
 
 
 def _row(r: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ import zstandard
 
 from ._errors import CheckpointCorruptError
 
-__all__ = ["CODECS", "write_chunked", "ChunkedFile", "fsync_dir"]
+__all__ = ["CODECS", "write_chunked", "ChunkedFile", "decode_chunk", "fsync_dir"]
 
 RAW, ZSTD = 0, 1
 CODECS = {"none": RAW, "zstd": ZSTD}
@@ -177,17 +177,25 @@ class ChunkedFile:
                 f"{self.path}: truncated at byte {stored_off + got} (chunk at {stored_off} "
                 f"needs {stored_len} bytes)"
             )
-        if zlib.crc32(buf) != crc:
-            raise CheckpointCorruptError(
-                f"{self.path}: checksum mismatch in bytes {stored_off}..{stored_off + stored_len}"
-            )
-        if whole:
-            return
-        if codec == ZSTD:
-            try:
-                data = memoryview(_decompressor().decompress(buf, max_output_size=length))
-            except zstandard.ZstdError as exc:
-                raise CheckpointCorruptError(f"{self.path}: chunk at {stored_off}: {exc}") from exc
-        else:
-            data = buf
-        part[:] = data[lo - logical : lo - logical + len(part)]
+        data = decode_chunk(chunk, buf, self.path)
+        if not whole:
+            part[:] = data[lo - logical : lo - logical + len(part)]
+
+
+def decode_chunk(chunk: list[int], stored: memoryview | bytes, where: str, *, decode: bool = True) -> memoryview:
+    """Check a chunk's stored bytes against its CRC; return its logical bytes (or, with
+    ``decode=False``, the checked stored bytes)."""
+    logical, length, stored_off, stored_len, crc, codec = chunk
+    if len(stored) != stored_len:
+        raise CheckpointCorruptError(
+            f"{where}: truncated at byte {stored_off + len(stored)} (chunk at {stored_off} "
+            f"needs {stored_len} bytes)"
+        )
+    if zlib.crc32(stored) != crc:
+        raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes {stored_off}..{stored_off + stored_len}")
+    if codec == ZSTD and decode:
+        try:
+            return memoryview(_decompressor().decompress(stored, max_output_size=length))
+        except zstandard.ZstdError as exc:
+            raise CheckpointCorruptError(f"{where}: chunk at {stored_off}: {exc}") from exc
+    return memoryview(stored)

@@ -90,16 +90,21 @@ def dtensor_box_tensors(world: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
+    full = dtensor_box_tensors_full()
+    return {
+        "a": distribute_tensor(full["a"], mesh, [Shard(0)]),
+        "b": distribute_tensor(full["b"], mesh, [Shard(1)]),
+        "c": distribute_tensor(full["c"], mesh, [Replicate()]),
+        "plain": full["plain"].clone(),
+    }, full
+
+
+def dtensor_box_tensors_full() -> dict:
+    """The full values of the tensors ``dtensor_box_tensors`` distributes."""
     g = torch.Generator().manual_seed(7)
     full_a = torch.randn(10, 6, generator=g)
     full_b = torch.randn(5, 3, generator=g).to(torch.bfloat16)
-    full_c = torch.arange(21, dtype=torch.int64)
-    return {
-        "a": distribute_tensor(full_a, mesh, [Shard(0)]),
-        "b": distribute_tensor(full_b, mesh, [Shard(1)]),
-        "c": distribute_tensor(full_c, mesh, [Replicate()]),
-        "plain": torch.linspace(0, 1, 33),
-    }, {"a": full_a, "b": full_b, "c": full_c, "plain": torch.linspace(0, 1, 33)}
+    return {"a": full_a, "b": full_b, "c": torch.arange(21, dtype=torch.int64), "plain": torch.linspace(0, 1, 33)}
 
 
 def dtensor_save(a: dict) -> None:

@@ -1,0 +1,155 @@
+"""A read-only view of the checkpoints under a root, on any storage.
+
+What the CLI and the tiers need to know without loading anything into a model: which
+steps exist and in what state, what a manifest holds, whether the bytes still match their
+checksums, and a tensor's full value assembled from its saved boxes (resharding to world
+size one). Reading never unpickles or executes anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ._chunkio import decode_chunk
+from ._errors import CheckpointCorruptError
+from ._format import MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
+from ._layout import Box
+from ._storage import Storage
+
+__all__ = ["Entry", "Catalog"]
+
+COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
+_READ_SPAN = 64 << 20  # bytes fetched per request when streaming a file
+
+
+@dataclass
+class Entry:
+    """One step directory: its state and, when readable, what its manifest says."""
+
+    step: int
+    state: str
+    problem: str | None = None
+    manifest: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f["bytes"] for f in self.manifest["files"].values()) if self.manifest else 0
+
+
+class Catalog:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    # -- listing ------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Every step directory, committed or not, ascending."""
+        try:
+            names = self.storage.list("")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.storage.url}: no such checkpoint root") from None
+        return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
+
+    def entry(self, step: int, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> Entry:
+        """The state of ``step``: files and sizes checked; with ``deep``, every checksum too."""
+        sdir = step_dir_name(step)
+        if not self.storage.exists(f"{sdir}/{MANIFEST}"):
+            return Entry(step, PARTIAL, "no commit record (manifest.json)")
+        try:
+            manifest = self.manifest(step)
+            for fname, record in manifest["files"].items():
+                size = self.storage.size(f"{sdir}/{fname}")
+                if size != record["bytes"]:
+                    return Entry(step, CORRUPT, f"{sdir}/{fname}: {size} bytes, manifest says {record['bytes']}",
+                                 manifest)
+            if deep:
+                for fname in manifest["files"]:
+                    self._verify_file(manifest, step, fname, progress)
+        except FileNotFoundError as exc:
+            return Entry(step, CORRUPT, f"missing file: {exc}")
+        except CheckpointCorruptError as exc:
+            return Entry(step, CORRUPT, str(exc))
+        return Entry(step, COMMITTED, None, manifest)
+
+    def entries(self, *, deep: bool = False) -> list[Entry]:
+        return [self.entry(s, deep=deep) for s in self.steps()]
+
+    def newest_consistent(self) -> int | None:
+        """Newest step whose commit record is there and whose files have the recorded sizes."""
+        for step in reversed(self.steps()):
+            if self.entry(step).state == COMMITTED:
+                return step
+        return None
+
+    # -- reading ------------------------------------------------------------------------------
+    def manifest(self, step: int) -> dict[str, Any]:
+        path = f"{step_dir_name(step)}/{MANIFEST}"
+        return decode_manifest(self.storage.read(path), f"{self.storage.url}/{path}")
+
+    def chunks(
+        self, step: int, fname: str, chunks: list[list[int]], *, decode: bool = True
+    ) -> Iterator[tuple[list[int], memoryview]]:
+        """Yield (chunk, its logical bytes, or its stored bytes without ``decode``) for
+        consecutive chunks, fetched in large spans, each checked against its CRC."""
+        path = f"{step_dir_name(step)}/{fname}"
+        where = f"{self.storage.url}/{path}"
+        i = 0
+        while i < len(chunks):
+            j, start = i, chunks[i][2]
+            while j < len(chunks) and chunks[j][2] + chunks[j][3] - start <= max(_READ_SPAN, chunks[i][3]):
+                j += 1
+            end = chunks[j - 1][2] + chunks[j - 1][3]
+            span = memoryview(self.storage.read(path, start, end))
+            for chunk in chunks[i:j]:
+                stored = span[chunk[2] - start : chunk[2] - start + chunk[3]]
+                yield chunk, decode_chunk(chunk, stored, where, decode=decode)
+            i = j
+
+    def _verify_file(self, manifest: dict, step: int, fname: str, progress: Callable[[int], None] | None) -> None:
+        for chunk, _ in self.chunks(step, fname, manifest["files"][fname]["chunks"], decode=False):
+            if progress:
+                progress(chunk[3])
+
+    def read_bytes(self, manifest: dict, step: int, fname: str, offset: int, dest: memoryview) -> None:
+        """Fill ``dest`` with logical bytes ``[offset, offset+len(dest))`` of a data file."""
+        end = offset + len(dest)
+        chunks = [c for c in manifest["files"][fname]["chunks"] if c[0] < end and c[0] + c[1] > offset]
+        for chunk, data in self.chunks(step, fname, chunks):
+            lo, hi = max(offset, chunk[0]), min(end, chunk[0] + chunk[1])
+            dest[lo - offset : hi - offset] = data[lo - chunk[0] : hi - chunk[0]]
+
+    def read_tensor(self, manifest: dict, step: int, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor ``name`` (every saved box placed), into ``out`` if given."""
+        meta = manifest["tensors"][name]
+        dtype = dtype_from_name(meta["dtype"])
+        full = out if out is not None else torch.empty(meta["shape"], dtype=dtype)
+        covered = 0
+        for saved in meta["boxes"]:
+            box = Box(tuple(saved["offsets"]), tuple(saved["sizes"]))
+            whole = list(box.sizes) == list(meta["shape"]) and full.is_contiguous()
+            # a box covering the tensor is read straight into it: no copy of the tensor in RAM
+            part = full if whole else torch.empty(box.sizes, dtype=dtype)
+            view = memoryview(part.reshape(-1).view(torch.uint8).numpy()) if part.numel() else memoryview(b"")
+            pos = 0
+            for fname, offset, nbytes in saved["pieces"]:
+                self.read_bytes(manifest, step, fname, offset, view[pos : pos + nbytes])
+                pos += nbytes
+            if pos != len(view):
+                raise CheckpointCorruptError(f"tensor {name!r}: pieces hold {pos} of {len(view)} bytes")
+            if not whole:
+                full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))] = part
+            covered += box.numel
+        if covered != math.prod(meta["shape"]):
+            raise CheckpointCorruptError(f"tensor {name!r}: saved boxes cover {covered} of {math.prod(meta['shape'])} elements")
+        return full
+
+    # -- deleting -----------------------------------------------------------------------------
+    def delete_step(self, step: int) -> None:
+        """Uncommit first (the manifest), then remove the rest: a crash midway leaves a
+        partial step, never a committed one with files missing."""
+        sdir = step_dir_name(step)
+        self.storage.delete(f"{sdir}/{MANIFEST}")
+        self.storage.delete(sdir)

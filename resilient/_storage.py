@@ -1,0 +1,149 @@
+"""A tiny storage seam on string paths: the local filesystem through ``os``, anything else
+through fsspec (``s3://``, ``gs://``, ``memory://``, ``file://``).
+
+Five operations, each taking a path relative to the storage's root URL: ``list``,
+``read``, ``write``, ``delete``, ``exists`` (plus ``size``). Missing things raise
+``FileNotFoundError`` naming the full path. Credentials stay inside ``storage_options``
+and never appear in a message: errors name the URL, which carries none.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Iterable, Mapping, Protocol
+
+from ._errors import StorageError
+
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "is_remote"]
+
+# protocol -> the extra that installs its fsspec implementation
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
+
+
+class Storage(Protocol):
+    url: str
+
+    def list(self, path: str = "") -> list[str]:
+        """Names directly under ``path`` (files and directories), sorted."""
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
+        """Create or replace the file at ``path`` from ``chunks``; durable when it returns."""
+
+    def delete(self, path: str) -> None:
+        """Remove a file or a directory tree; missing is not an error."""
+
+    def exists(self, path: str) -> bool: ...
+
+    def size(self, path: str) -> int: ...
+
+
+def is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
+
+
+class LocalStorage:
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
+        self.url = self.root
+
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    def list(self, path: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(path)))
+        except NotADirectoryError:
+            raise FileNotFoundError(f"{self._p(path)} is not a directory") from None
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        with open(self._p(path), "rb") as f:
+            f.seek(start)
+            return f.read(-1 if end is None else end - start)
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
+        full = self._p(path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        tmp = f"{full}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, full)
+
+    def delete(self, path: str) -> None:
+        full = self._p(path)
+        if os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        elif os.path.exists(full):
+            os.unlink(full)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._p(path))
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(self._p(path))
+
+
+class FsspecStorage:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        protocol = url.split("://", 1)[0]
+        try:
+            import fsspec
+
+            self.fs = fsspec.filesystem(protocol, **dict(storage_options or {}))
+        except ImportError as exc:
+            extra = _EXTRAS.get(protocol)
+            hint = f"pip install 'resilient[{extra}]'" if extra else f"install fsspec's {protocol!r} backend"
+            raise StorageError(2, f"{url}: support for {protocol}:// is not installed ({hint})") from exc
+        except ValueError as exc:  # fsspec: unknown protocol
+            raise StorageError(2, f"{url}: {exc}") from None
+        self.url = url.rstrip("/")
+        self._base = self.fs._strip_protocol(self.url)
+
+    def _p(self, path: str) -> str:
+        return f"{self._base}/{path}" if path else self._base
+
+    def list(self, path: str = "") -> list[str]:
+        base = self._p(path)
+        try:
+            entries = self.fs.ls(base, detail=False, refresh=True)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.url}/{path}".rstrip("/")) from None
+        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != base})
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        try:
+            return self.fs.cat_file(self._p(path), start=start, end=end)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.url}/{path}") from None
+
+    def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
+        # Object stores publish a file only once the upload completes: no temp name needed.
+        with self.fs.open(self._p(path), "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+
+    def delete(self, path: str) -> None:
+        try:
+            self.fs.rm(self._p(path), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(self._p(path))
+
+    def size(self, path: str) -> int:
+        try:
+            return int(self.fs.size(self._p(path)))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.url}/{path}") from None
+
+
+def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    if is_remote(url):
+        return FsspecStorage(url, storage_options)
+    return LocalStorage(url)

@@ -1,0 +1,155 @@
+"""Export one checkpoint as a single world-size-free file: torch.save, safetensors or DCP.
+
+Memory stays bounded whatever the checkpoint's size: each tensor is assembled shard by
+shard into a memory-mapped scratch file next to the output (page cache, reclaimable), and
+the writers stream from those maps. The output is written under a temporary name and
+renamed into place, so a failed export leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from .._catalog import Catalog
+from .._format import dtype_from_name
+from .._tree import build_value
+
+__all__ = ["export", "FORMATS"]
+
+FORMATS = ("torch", "safetensors", "dcp")
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be expressed in the requested format (names the tensor)."""
+
+
+def _scratch_tensor(scratch: str, index: int, meta: dict[str, Any]) -> torch.Tensor:
+    dtype = dtype_from_name(meta["dtype"])
+    numel = math.prod(meta["shape"])
+    if numel == 0:
+        return torch.empty(meta["shape"], dtype=dtype)
+    path = os.path.join(scratch, f"{index}.bin")
+    with open(path, "wb") as f:
+        f.truncate(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(meta["shape"])
+
+
+def _structure(catalog: Catalog, manifest: dict, step: int, key: str | None, scratch: str,
+               progress: Callable[[int], None]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(the saved nested structure with full tensors, name -> tensor) for ``key`` or all."""
+    entries = dict(manifest["ranks"][0]["tree"]["items"])
+    if key is not None and key not in entries:
+        raise ExportError(f"--key {key!r} is not in step {step} (it holds: {', '.join(map(str, entries))})")
+    tensors: dict[str, torch.Tensor] = {}
+
+    def tensor(name: str) -> torch.Tensor:
+        if name not in tensors:
+            meta = manifest["tensors"][name]
+            tensors[name] = catalog.read_tensor(manifest, step, name, out=_scratch_tensor(scratch, len(tensors), meta))
+            progress(tensors[name].numel() * tensors[name].element_size())
+        return tensors[name]
+
+    if key is not None:
+        return build_value(entries[key], tensor), tensors
+    return {k: build_value(node, tensor) for k, node in entries.items()}, tensors
+
+
+def _dotted(obj: Any, prefix: str, out: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
+    """Flatten to dotted names (the Hugging Face convention), tensors and plain values apart."""
+    if isinstance(obj, torch.Tensor):
+        if prefix in out:
+            raise ExportError(f"two tensors flatten to the name {prefix!r}")
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _dotted(v, f"{prefix}.{k}" if prefix else str(k), out, values)
+    elif isinstance(obj, (list, tuple)):
+        if any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in obj):
+            for i, v in enumerate(obj):
+                _dotted(v, f"{prefix}.{i}" if prefix else str(i), out, values)
+        else:
+            values[prefix] = list(obj)
+    else:
+        values[prefix] = obj
+
+
+def _write_safetensors(obj: Any, path: str, step: int) -> None:
+    flat: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    _dotted(obj, "", flat, values)
+    header: dict[str, Any] = {
+        "__metadata__": {"format": "pt", "resilient.step": str(step), "resilient.values": json.dumps(values)}
+    }
+    offset = 0
+    for name, t in flat.items():
+        code = _SAFETENSORS_DTYPES.get(t.dtype)
+        if code is None:
+            raise ExportError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in flat.values():
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_dcp(obj: Any, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = obj if isinstance(obj, dict) else {"value": obj}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+
+def export(catalog: Catalog, step: int, fmt: str, out: str, *, key: str | None = None,
+           progress: Callable[[int], None] = lambda n: None) -> None:
+    if fmt not in FORMATS:
+        raise ExportError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    out = os.path.abspath(out)
+    if os.path.exists(out):
+        raise ExportError(f"{out} already exists; remove it or choose another OUT")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    scratch = os.path.join(parent, f".{os.path.basename(out)}.scratch-{token}")
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{token}")
+    os.makedirs(scratch)
+    try:
+        manifest = catalog.manifest(step)
+        obj, _ = _structure(catalog, manifest, step, key, scratch, progress)
+        if fmt == "torch":
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        elif fmt == "safetensors":
+            _write_safetensors(obj, tmp, step)
+        else:
+            _write_dcp(obj, tmp)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif os.path.exists(tmp):
+            os.unlink(tmp)
