@@ -13,12 +13,17 @@ import torch.distributed as dist
 
 from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
+from ._catalog import Catalog
+from ._format import MANIFEST, step_dir_name
 from ._local import LocalTier
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import load_checkpoint
 from ._rng import apply_rng, capture_rng
 from ._snapshot import RankPlan, Staging, layout_key, plan_rank
+from ._storage import LocalStorage, Storage, open_storage
+from ._transfer import copy_step, has_all_files
 from ._tree import flatten_state
+from ._uploader import Uploader
 from ._writer import BackgroundWriter, SaveHandle, SaveJob
 
 __all__ = ["Checkpointer"]
@@ -56,12 +61,16 @@ class Checkpointer:
 
     Args:
         root: local directory (node-local disk) for checkpoints.
-        remote: object-store URL drained to in the background (tiered storage).
+        remote: fsspec URL (``s3://bucket/run``, ``memory://``, ...) that committed
+            checkpoints are drained to in the background; the remote commit record is
+            written last. ``flush`` waits for it; ``close`` flushes within
+            ``RESILIENT_FLUSH_TIMEOUT`` (default 300 s) and logs what is left.
         state: default state for ``save`` and ``restore``.
         every: save only at steps divisible by this.
         every_seconds: save when this many seconds passed since the last save.
         keep: committed checkpoints kept locally (int, a retention policy, or None for all).
-        keep_remote: the same for the remote tier.
+        keep_remote: the same for the remote tier (None keeps all). A local checkpoint not
+            yet on the remote tier is never deleted; the newest is never deleted anywhere.
         compress: None or "zstd" (per chunk; chunks that do not shrink are stored raw).
         process_group: the group whose ranks save together (default: the world).
         storage_options: options for the remote filesystem (credentials, endpoint).
@@ -105,8 +114,8 @@ class Checkpointer:
         self.commit_timeout = (
             commit_timeout if commit_timeout is not None else _env_float("RESILIENT_COMMIT_TIMEOUT", 600.0)
         )
-        if remote is not None:
-            log.warning("resilient: remote tier %s is not implemented yet; checkpoints stay local", remote)
+        self.flush_timeout = _env_float("RESILIENT_FLUSH_TIMEOUT", 300.0)
+        self._remote: Storage | None = open_storage(remote, self.storage_options) if remote else None
 
         self._tier = LocalTier(self.root)
         self._tier.prepare()
@@ -132,8 +141,19 @@ class Checkpointer:
             codec=self._codec,
             chunk_bytes=chunk_bytes,
             commit_timeout=self.commit_timeout,
-            after_commit=self._apply_retention,
+            after_commit=self._after_commit,
         )
+        self._retention_lock = threading.Lock()
+        self._local_catalog = Catalog(LocalStorage(self.root))
+        self._uploader: Uploader | None = None
+        if self._remote is not None and self._coord.is_leader:
+            self._uploader = Uploader(
+                self._local_catalog,
+                self._remote,
+                commits=self._coord.rank == 0,
+                keep_remote=self._keep_remote,
+                on_uploaded=lambda step: self._apply_retention(),
+            )
         self._closed = False
 
     # -- properties -------------------------------------------------------------------------
@@ -196,11 +216,21 @@ class Checkpointer:
         )
         return handle
 
-    def _apply_retention(self, newest: int) -> None:
-        # leader, writer thread, right after a commit
-        for step in to_delete(self._keep, self._tier.committed_steps()):
-            self._tier.delete(step)
-            log.info("resilient: deleted checkpoint step %d (retention %r)", step, self._keep)
+    def _after_commit(self, step: int) -> None:
+        # leader, writer thread, right after a local commit
+        if self._uploader is not None:
+            self._uploader.enqueue(step)
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        # leader; writer thread after a commit, uploader thread after an upload. A local
+        # checkpoint that is not yet on the remote tier is never deleted to make room.
+        with self._retention_lock:
+            for step in to_delete(self._keep, self._tier.committed_steps()):
+                if self._uploader is not None and not self._uploader.uploaded(step):
+                    continue
+                self._tier.delete(step)
+                log.info("resilient: deleted checkpoint step %d (retention %r)", step, self._keep)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed on the local tier.
@@ -225,12 +255,66 @@ class Checkpointer:
         if first_error is not None:
             raise first_error
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every save so far is committed on the remote tier too.
+
+        Raises ``TimeoutError`` naming what is still pending when ``timeout`` runs out.
+        Without a remote tier this is ``wait``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait(timeout)
+        if self._remote is None:
+            return
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._uploader is not None:
+            self._uploader.flush(left)
+        newest = self._tier.committed_steps()
+        if not newest:
+            return
+        # every rank returns only once the remote commit record of the newest step exists
+        while not self._remote.exists(f"{step_dir_name(newest[-1])}/{MANIFEST}"):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"step {newest[-1]} not committed on {self._remote.url} after {timeout} s")
+            time.sleep(0.2)
+
     # -- reading ----------------------------------------------------------------------------
+    def _remote_steps(self) -> list[int]:
+        """Steps committed on the remote tier; empty (with a warning) when it is unreachable."""
+        if self._remote is None:
+            return []
+        try:
+            catalog = Catalog(self._remote)
+            if not self._remote.exists(""):
+                return []
+            return [s for s in catalog.steps() if self._remote.exists(f"{step_dir_name(s)}/{MANIFEST}")]
+        except Exception as exc:
+            log.warning("resilient: remote tier %s unreachable: %s: %s", self._remote.url, type(exc).__name__, exc)
+            return []
+
     def latest(self) -> int | None:
-        """Step of the newest committed checkpoint on this rank's tier (None when there is
-        none). Commit records are checked here; data checksums are checked by restore."""
-        steps = [s for s in self._tier.committed_steps() if s not in self._bad_steps]
-        return steps[-1] if steps else None
+        """Step of the newest committed checkpoint on any tier (None when there is none).
+        Commit records are checked here; data checksums are checked by restore."""
+        steps = set(self._tier.committed_steps()) | set(self._remote_steps())
+        steps -= self._bad_steps
+        return max(steps) if steps else None
+
+    def _fetch(self, step: int) -> Exception | None:
+        """Leader: make every file of ``step`` present locally, downloading only what is
+        missing from the remote tier. Returns the failure, if any."""
+        if self._remote is None or not self._coord.is_leader:
+            return None
+        try:
+            local_has = step in self._tier.committed_steps()
+            if local_has and has_all_files(self._local_catalog, self._tier.read_manifest(step)):
+                return None
+            t0 = time.perf_counter()
+            moved = copy_step(Catalog(self._remote), self._local_catalog.storage, step, skip_present=True,
+                              workers=8)
+            log.info("resilient: fetched step %d from %s (%d bytes in %.2f s)", step, self._remote.url, moved,
+                     time.perf_counter() - t0)
+            return None
+        except Exception as exc:
+            return exc
 
     def restore(self, state: MutableMapping[str, Any] | None = None) -> int:
         """Load the newest checkpoint every rank can read and verify; return its step (0: none).
@@ -249,7 +333,7 @@ class Checkpointer:
         ceiling: int | None = None
         touched = False  # a failed load may have written into the state already
         while True:
-            steps = [s for s in self._tier.committed_steps() if s not in self._bad_steps]
+            steps = sorted((set(self._tier.committed_steps()) | set(self._remote_steps())) - self._bad_steps)
             if ceiling is not None:
                 steps = [s for s in steps if s < ceiling]
             step = coord.agree_min(steps[-1] if steps else -1)
@@ -260,13 +344,17 @@ class Checkpointer:
                         "load, and the state may be partially overwritten (see warnings above)"
                     )
                 return 0
-            failure: Exception | None = None
             refused: ResilientError | None = None
             rng = None
+            failure = self._fetch(step)
+            if coord.agree_max(int(failure is not None)):  # also: nobody reads before the fetch is done
+                failure = failure or CheckpointCorruptError(f"another node could not fetch step {step}")
             try:
+                if failure is not None:
+                    raise failure
                 manifest = self._tier.read_manifest(step)
                 rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, self._read_pool)
-            except (CheckpointCorruptError, FileNotFoundError) as exc:
+            except (CheckpointCorruptError, OSError) as exc:
                 failure = exc
             except ResilientError as exc:  # the state does not fit: no older step will help
                 refused = exc
@@ -302,9 +390,13 @@ class Checkpointer:
         timeout = self.commit_timeout if timeout is None else timeout
         try:
             self.wait(timeout)
+            if self._remote is not None:
+                self.flush(min(timeout, self.flush_timeout))
         except (CommitError, TimeoutError) as exc:
-            log.warning("resilient: closing with unfinished saves: %s", exc)
+            log.warning("resilient: closing with unfinished saves or uploads: %s", exc)
         finally:
+            if self._uploader is not None:
+                self._uploader.close()
             if not self._writer.stop(timeout=timeout):
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._read_pool.shutdown()

@@ -8,33 +8,76 @@ complete, so a reader of the destination never sees a half-copied step as commit
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from ._catalog import Catalog
 from ._format import MANIFEST, step_dir_name
 from ._storage import Storage
 
-__all__ = ["copy_step"]
+__all__ = ["copy_step", "has_all_files"]
 
 
-def copy_step(src: Catalog, dst: Storage, step: int, progress: Callable[[int], None] | None = None) -> int:
-    """Copy committed ``step`` from ``src`` to ``dst``; return the bytes copied."""
+def copy_step(
+    src: Catalog,
+    dst: Storage,
+    step: int,
+    progress: Callable[[int], None] | None = None,
+    *,
+    skip_present: bool = False,
+    only_present: bool = False,
+    commit: bool = True,
+    workers: int = 4,
+) -> int:
+    """Copy committed ``step`` from ``src`` to ``dst``; return the bytes copied.
+
+    ``skip_present``: files the destination already holds at their recorded size are not
+    copied again (a resumed upload, a partly filled local tier). ``only_present``: copy
+    just the files the source holds (a node-local tier holds its own ranks' files).
+    ``commit``: write the manifest last; without it the step stays uncommitted there.
+    """
     manifest = src.manifest(step)
     sdir = step_dir_name(step)
-    dst.delete(f"{sdir}/{MANIFEST}")  # re-copying a step: uncommit the old copy first
-    total = 0
-    for fname, record in manifest["files"].items():
+    if not skip_present:
+        dst.delete(f"{sdir}/{MANIFEST}")  # re-copying a step: uncommit the old copy first
+    lock = threading.Lock()
 
-        def stream(fname: str = fname, record: dict = record) -> Iterator[memoryview]:
+    def one(fname: str, record: dict) -> int:
+        path = f"{sdir}/{fname}"
+        if skip_present and dst.exists(path) and dst.size(path) == record["bytes"]:
+            return 0
+        if only_present and not src.storage.exists(path):
+            return 0
+
+        def stream() -> Iterator[memoryview]:
             for _, stored in src.chunks(step, fname, record["chunks"], decode=False):
                 if progress:
-                    progress(len(stored))
+                    with lock:
+                        progress(len(stored))
                 yield stored
 
-        dst.write(f"{sdir}/{fname}", stream())
-        size = dst.size(f"{sdir}/{fname}")
+        dst.write(path, stream())
+        size = dst.size(path)
         if size != record["bytes"]:
-            raise OSError(f"{dst.url}/{sdir}/{fname}: wrote {size} bytes, expected {record['bytes']}")
-        total += size
-    dst.write(f"{sdir}/{MANIFEST}", [src.storage.read(f"{sdir}/{MANIFEST}")])
+            raise OSError(f"{dst.url}/{path}: wrote {size} bytes, expected {record['bytes']}")
+        return size
+
+    files = list(manifest["files"].items())
+    if workers > 1 and len(files) > 1:
+        with ThreadPoolExecutor(max_workers=min(workers, len(files))) as pool:
+            total = sum(pool.map(lambda item: one(*item), files))
+    else:
+        total = sum(one(*item) for item in files)
+    if commit:
+        dst.write(f"{sdir}/{MANIFEST}", [src.storage.read(f"{sdir}/{MANIFEST}")])
     return total
+
+
+def has_all_files(catalog: Catalog, manifest: dict) -> bool:
+    """Whether every data file of ``manifest`` is on ``catalog``'s storage at its size."""
+    sdir = step_dir_name(manifest["step"])
+    try:
+        return all(catalog.storage.size(f"{sdir}/{f}") == r["bytes"] for f, r in manifest["files"].items())
+    except FileNotFoundError:
+        return False

@@ -96,3 +96,21 @@ def test_state_refused_on_one_rank_raises_on_every_rank(tmp_path):
     results = run_ranks("mismatch_on_one_rank", 2, {"root": str(tmp_path / "run")}, timeout=60)
     assert "shape mismatch" in results[1].output
     assert "rank 0 refused: another rank refused" in results[0].output
+
+
+def test_ddp_resumes_from_the_remote_tier_alone(baselines, tmp_path, s3_server):
+    """Both nodes' disks are lost; the two ranks resume from the object store."""
+    import shutil
+    import uuid
+
+    url = f"s3://{s3_server['bucket']}/ddp-{uuid.uuid4().hex[:8]}"
+    args = {"root": str(tmp_path / "run"), "every": 10, "total": 20, "dropout": 0.1, "remote": url,
+            "storage_options": s3_server["options"]}
+    run_ranks("train", 2, args)  # close() flushes the uploads
+    shutil.rmtree(tmp_path / "run")
+    run_ranks("train", 2, {**args, "total": 30, "root": str(tmp_path / "new-disk"), "out": str(tmp_path / "r.pt")})
+    with open(tmp_path / "r.pt.json") as f:
+        assert '"start": 20' in f.read()
+    resumed = _weights(tmp_path / "r.pt")
+    for k, v in baselines[(2, 0.1)].items():
+        assert torch.equal(v, resumed[k]), k

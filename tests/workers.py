@@ -49,7 +49,8 @@ def train(a: dict) -> None:
     model, optim, sched = build(a.get("dropout", 0.1))
     ddp = DDP(model) if world > 1 else model
     state = {"model": model, "optim": optim, "sched": sched, "progress": {"seen": 0}}
-    with Checkpointer(a["root"], every=a["every"], state=state) as ckpt:
+    with Checkpointer(a["root"], every=a["every"], state=state, remote=a.get("remote"),
+                      storage_options=a.get("storage_options")) as ckpt:
         start = ckpt.restore()
         print(f"rank {rank} restored step {start}", flush=True)
         for step in range(start, a["total"]):

@@ -1,0 +1,179 @@
+"""The uploader: drains committed local checkpoints to the remote tier in the background.
+
+One thread per storage leader. Steps are uploaded strictly in commit order; each file is
+streamed and CRC-checked chunk by chunk (``copy_step``), its size verified once written,
+and the remote manifest (the remote commit record) written last, by rank 0 only, once
+every rank's files are there. Failures (5xx, throttling, refused connections, a server
+that vanished) are retried with exponential backoff and jitter for as long as it takes:
+training never waits, and when the store comes back the backlog drains in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Callable
+
+from ._catalog import COMMITTED, Catalog
+from ._policy import RetentionPolicy, to_delete
+from ._storage import Storage
+from ._transfer import copy_step, has_all_files
+
+__all__ = ["Uploader"]
+
+log = logging.getLogger("resilient")
+
+
+class Uploader:
+    def __init__(
+        self,
+        local: Catalog,
+        remote: Storage,
+        *,
+        commits: bool,
+        keep_remote: RetentionPolicy | None,
+        on_uploaded: Callable[[int], None],
+        base_delay: float = 0.2,
+        max_delay: float = 10.0,
+    ) -> None:
+        self.local = local
+        self.remote = Catalog(remote)
+        self.commits = commits
+        self.keep_remote = keep_remote
+        self.on_uploaded = on_uploaded
+        self.base_delay, self.max_delay = base_delay, max_delay
+        self.retries = 0
+        self.uploaded_bytes = 0
+        self.last_error: str | None = None
+        self._queue: list[int] = []
+        self._done: set[int] = set()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._caught_up = False
+        self._thread = threading.Thread(target=self._loop, name="resilient-uploader", daemon=True)
+        self._thread.start()
+
+    # -- called by the Checkpointer ----------------------------------------------------------
+    def enqueue(self, step: int) -> None:
+        with self._cond:
+            if step not in self._queue and step not in self._done:
+                self._queue.append(step)
+                self._cond.notify_all()
+
+    def uploaded(self, step: int) -> bool:
+        with self._cond:
+            return step in self._done
+
+    def pending(self) -> list[int]:
+        with self._cond:
+            return list(self._queue)
+
+    def flush(self, timeout: float | None) -> None:
+        """Block until the queue is empty; TimeoutError naming the steps still pending."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or not self._caught_up:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"upload to {self.remote.storage.url} not finished after {timeout} s: "
+                        f"steps {self._queue or 'being listed'} still pending"
+                        + (f" (last error: {self.last_error})" if self.last_error else "")
+                    )
+                self._cond.wait(left if left is None else min(left, 0.5))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _retrying(self, what: str, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` until it succeeds (True) or the uploader is closed (False)."""
+        attempt = 0
+        while True:
+            try:
+                fn()
+                self.last_error = None
+                return True
+            except Exception as exc:  # every store failure is worth another try
+                self.retries += 1
+                # only the exception's type and message: never the storage options
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                delay = min(self.max_delay, self.base_delay * 2**attempt) * random.uniform(0.5, 1.0)
+                attempt += 1
+                log.warning("resilient: %s failed (attempt %d, retrying in %.1f s): %s",
+                            what, attempt, delay, self.last_error)
+                with self._cond:
+                    if self._closed:
+                        return False
+                    self._cond.wait(delay)
+                    if self._closed:
+                        return False
+
+    def _catch_up(self) -> None:
+        """Queue every local checkpoint the remote tier lacks (after a restart, say)."""
+        remote_steps = set(self.remote.steps()) if self.remote.storage.exists("") else set()
+        committed_remote = {s for s in remote_steps if self.remote.storage.exists(f"step-{s:010d}/manifest.json")}
+        with self._cond:
+            self._done |= committed_remote
+            for step in self.local.steps():
+                if step not in committed_remote and step not in self._queue:
+                    self._queue.append(step)
+            self._queue.sort()
+            self._caught_up = True
+            self._cond.notify_all()
+        for step in committed_remote:
+            self.on_uploaded(step)
+
+    def _loop(self) -> None:
+        if not self._retrying(f"listing {self.remote.storage.url}", self._catch_up):
+            return
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                step = self._queue[0]
+            if not self.local.storage.exists(f"step-{step:010d}/manifest.json"):
+                ok = True  # deleted locally before it could be uploaded (only without a remote)
+            else:
+                ok = self._retrying(f"upload of step {step} to {self.remote.storage.url}",
+                                    lambda: self._upload(step))
+            if not ok:
+                return
+            with self._cond:
+                self._queue.remove(step)
+                self._done.add(step)
+                self._cond.notify_all()
+            self.on_uploaded(step)
+            if self.commits:
+                self._retrying("remote retention", self._retention)
+
+    def _upload(self, step: int) -> None:
+        moved = copy_step(self.local, self.remote.storage, step, skip_present=True, only_present=True,
+                          commit=False)
+        self.uploaded_bytes += moved
+        if not self.commits:
+            return
+        manifest = self.local.manifest(step)
+        # rank 0 commits once every node's files are up (other leaders upload their own)
+        while not has_all_files(self.remote, manifest):
+            with self._cond:
+                if self._closed:
+                    raise RuntimeError("closed while waiting for other nodes' files")
+                self._cond.wait(0.2)
+        copy_step(self.local, self.remote.storage, step, skip_present=True, only_present=True, commit=True)
+
+    def _retention(self) -> None:
+        if self.keep_remote is None:
+            return
+        consistent = [e.step for e in self.remote.entries() if e.state == COMMITTED]
+        for step in to_delete(self.keep_remote, consistent):
+            self.remote.delete_step(step)
+            log.info("resilient: deleted step %d from %s (retention %r)", step, self.remote.storage.url,
+                     self.keep_remote)

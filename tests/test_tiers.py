@@ -1,0 +1,200 @@
+"""Tiered storage: local first, the object store (moto's S3 server) behind, faults injected."""
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+from resilient import AnyOf, Checkpointer, KeepEvery, KeepLast, StorageError
+
+from .launch import free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def s3_url(server):
+    return f"s3://{server['bucket']}/{uuid.uuid4().hex}"
+
+
+def remote_steps(url, options):
+    fs = fsspec.filesystem("s3", **options) if url.startswith("s3://") else fsspec.filesystem(url.split("://")[0])
+    fs.invalidate_cache()
+    base = fs._strip_protocol(url)
+    if not fs.exists(base):
+        return []
+    return sorted(int(p.rsplit("-", 1)[1]) for p in fs.ls(base, detail=False)
+                  if p.rsplit("/", 1)[1].startswith("step-") and fs.exists(f"{p}/manifest.json"))
+
+
+def test_flush_then_restore_on_a_node_with_an_empty_disk(tmp_path, s3_server):
+    url, opts = s3_url(s3_server), s3_server["options"]
+    model = torch.nn.Linear(64, 32)
+    with Checkpointer(tmp_path / "node-a", remote=url, storage_options=opts, keep=None) as ckpt:
+        ckpt.save(1, {"model": model, "meta": {"k": 1}})
+        with torch.no_grad():
+            model.weight.add_(1)
+        ckpt.save(2, {"model": model, "meta": {"k": 2}})
+        ckpt.flush(timeout=60)
+    assert remote_steps(url, opts) == [1, 2]
+    shutil.rmtree(tmp_path / "node-a")
+    fresh = torch.nn.Linear(64, 32)
+    state = {"model": fresh, "meta": None}
+    with Checkpointer(tmp_path / "node-b", remote=url, storage_options=opts) as ckpt:
+        assert ckpt.latest() == 2
+        assert ckpt.restore(state) == 2
+    assert torch.equal(fresh.weight, model.weight) and state["meta"] == {"k": 2}
+    # what the restore downloaded is now on the local tier, and is not fetched again
+    assert os.path.exists(tmp_path / "node-b" / "step-0000000002" / "manifest.json")
+
+
+def test_object_store_down_then_back_nothing_lost(tmp_path):
+    pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+            "config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}}}
+    fsspec.filesystem("s3", **opts).mkdir("flaky-bucket")
+    url = f"s3://flaky-bucket/run-{uuid.uuid4().hex[:6]}"
+    state = {"w": torch.zeros(1 << 16)}
+    ckpt = Checkpointer(tmp_path / "local", remote=url, storage_options=opts, keep=1)
+    try:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            ckpt.save(step, state)
+        ckpt.flush(timeout=60)
+        server.stop()  # the store vanishes
+        stalls = []
+        for step in (3, 4, 5):
+            state["w"].fill_(step)
+            t = time.perf_counter()
+            ckpt.save(step, state)
+            stalls.append(time.perf_counter() - t)
+            ckpt.wait(timeout=30)  # local commits go on
+        assert max(stalls) < 1.0
+        with pytest.raises(TimeoutError, match=r"pending"):
+            ckpt.flush(timeout=1)
+        local = sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step-"))
+        assert local == ["step-0000000002", "step-0000000003", "step-0000000004", "step-0000000005"][-len(local):]
+        assert "step-0000000003" in local  # not uploaded yet, so not deleted despite keep=1
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # the store comes back (moto keeps its buckets in this process)
+        ckpt.flush(timeout=90)
+        assert remote_steps(url, opts) == [1, 2, 3, 4, 5]
+        assert ckpt._uploader.retries > 0
+    finally:
+        ckpt.close(timeout=5)
+        server.stop()
+    assert sorted(n for n in os.listdir(tmp_path / "local") if n.startswith("step-")) == ["step-0000000005"]
+
+
+def test_retention_on_both_tiers(tmp_path, s3_server):
+    url, opts = s3_url(s3_server), s3_server["options"]
+    with Checkpointer(tmp_path / "l", remote=url, storage_options=opts, keep=1,
+                      keep_remote=AnyOf(KeepLast(2), KeepEvery(4))) as ckpt:
+        for step in range(1, 8):
+            ckpt.save(step, {"x": torch.full((8,), float(step))})
+        ckpt.flush(timeout=60)
+    assert remote_steps(url, opts) == [4, 6, 7]
+    assert sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step-")) == ["step-0000000007"]
+
+
+class FlakyFS(MemoryFileSystem):
+    """An fsspec store whose every call fails while ``broken`` (refused, 503, timeouts)."""
+
+    protocol = "flaky"
+    broken = False
+    calls_failed = 0
+    _errors = [ConnectionRefusedError("injected: connection refused"), OSError("injected: 503 SlowDown"),
+               TimeoutError("injected: read timed out")]
+
+    def _fail(self):
+        if FlakyFS.broken:
+            FlakyFS.calls_failed += 1
+            raise FlakyFS._errors[FlakyFS.calls_failed % 3]
+
+    def _open(self, *a, **k):
+        self._fail()
+        return super()._open(*a, **k)
+
+    def cat_file(self, *a, **k):
+        self._fail()
+        return super().cat_file(*a, **k)
+
+    def ls(self, *a, **k):
+        self._fail()
+        return super().ls(*a, **k)
+
+    def info(self, *a, **k):
+        self._fail()
+        return super().info(*a, **k)
+
+
+@pytest.fixture
+def flaky():
+    fsspec.register_implementation("flaky", FlakyFS, clobber=True)
+    FlakyFS.broken, FlakyFS.calls_failed = False, 0
+    yield f"flaky://run-{uuid.uuid4().hex[:6]}"
+    FlakyFS.broken = False
+
+
+def test_fault_injected_store_retries_and_catches_up_in_order(tmp_path, flaky, caplog):
+    FlakyFS.broken = True
+    with Checkpointer(tmp_path / "l", remote=flaky, keep=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"x": torch.full((4,), float(step))})
+        ckpt.wait()
+        time.sleep(0.5)
+        # nothing could be uploaded, so nothing local was deleted
+        assert sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step-")) == [
+            "step-0000000001", "step-0000000002", "step-0000000003"]
+        FlakyFS.broken = False
+        ckpt.flush(timeout=60)
+    assert FlakyFS.calls_failed > 0
+    assert remote_steps(flaky, {}) == [1, 2, 3]
+    uploads = [r.getMessage() for r in caplog.records if "upload of step" in r.getMessage()]
+    assert uploads == [] or all("step 1" in m for m in uploads)  # in order: 2 waits behind 1
+    assert sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step-")) == ["step-0000000003"]
+
+
+def test_credentials_never_appear_in_logs_errors_or_manifests(tmp_path, caplog, capfd):
+    pytest.importorskip("s3fs")
+    secret = "sekrit-" + uuid.uuid4().hex
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    opts = {"key": "AKIAEXAMPLE", "secret": secret, "client_kwargs": {"endpoint_url": dead},
+            "config_kwargs": {"connect_timeout": 0.5, "retries": {"max_attempts": 1}}}
+    with caplog.at_level(logging.DEBUG, logger="resilient"):
+        ckpt = Checkpointer(tmp_path / "l", remote="s3://nowhere/run", storage_options=opts)
+        ckpt.save(1, {"x": torch.ones(3)})
+        ckpt.wait()
+        with pytest.raises(TimeoutError) as err:
+            ckpt.flush(timeout=2)
+        ckpt.close(timeout=1)
+    out, errout = capfd.readouterr()
+    assert secret not in str(err.value) and secret not in out + errout
+    assert all(secret not in r.getMessage() for r in caplog.records)
+    assert any("retrying" in r.getMessage() for r in caplog.records)
+    for dirpath, _, files in os.walk(tmp_path):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                assert secret.encode() not in fh.read()
+
+
+def test_missing_extra_names_the_pip_command(tmp_path):
+    try:
+        import gcsfs  # noqa: F401
+
+        pytest.skip("gcsfs is installed")
+    except ImportError:
+        pass
+    with pytest.raises(StorageError, match=r"pip install 'resilient\[gcs\]'"):
+        Checkpointer(tmp_path / "l", remote="gs://bucket/run")
