@@ -219,8 +219,7 @@ def worker(args: dict[str, Any]) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = build_state(int(args["gb"] * GB), world, args["layout"])
     nbytes = local_nbytes(state)
-    _barrier()  # the stall floor: every rank copying its own state at once, as in a save
-    memcpy_local = memcpy_seconds(nbytes)
+    memcpy_local = memcpy_seconds(nbytes, sync=_barrier)  # every rank copying at once, as in a save
     results = []
     for name in args["methods"]:
         root = os.path.join(args["root"], name.replace("+", "_").replace("(", "_").strip(")"))

@@ -7,8 +7,10 @@ machines are noisy: ratios against the limits are what carry over between runs.
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
+from typing import Callable
 
 import psutil
 import torch
@@ -16,16 +18,21 @@ import torch
 GB = 1e9
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 3) -> float:
-    """Best time to copy ``nbytes`` into an already touched buffer (the CPU stall floor)."""
+def memcpy_seconds(nbytes: int, repeats: int = 3, sync: Callable[[], None] = lambda: None) -> float:
+    """Median time to copy ``nbytes`` into an already touched buffer (the CPU stall floor).
+
+    ``sync`` runs before each copy (a barrier), so that ranks copy at the same time and the
+    floor includes their competition for memory bandwidth, as during a save.
+    """
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    best = float("inf")
+    times = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return best
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def drop_cache(path: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
 from ._catalog import Catalog
-from ._format import MANIFEST, step_dir_name
+from ._format import MANIFEST, REMOTE_RECORD, step_dir_name
 from ._local import LocalTier
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import load_checkpoint
@@ -75,6 +76,8 @@ class Checkpointer:
         process_group: the group whose ranks save together (default: the world).
         storage_options: options for the remote filesystem (credentials, endpoint).
         rng: save and restore the torch / CUDA / Python / numpy generator states.
+        strict: raise a failed save's ``CommitError`` from the next ``save`` (default: log
+            it, count it in ``stats``, keep training; ``wait`` always raises it).
         commit_timeout: seconds to wait for the other ranks when committing
             (default ``RESILIENT_COMMIT_TIMEOUT`` or 600).
     """
@@ -93,6 +96,7 @@ class Checkpointer:
         process_group: Any = None,
         storage_options: Mapping[str, Any] | None = None,
         rng: bool = True,
+        strict: bool = False,
         commit_timeout: float | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
@@ -107,6 +111,9 @@ class Checkpointer:
         self.storage_options = dict(storage_options or {})
         self.state = state
         self.rng = rng
+        self.strict = strict
+        # counters an operator (or a metrics exporter) reads; updated by background threads
+        self.stats = {"saves_committed": 0, "saves_failed": 0, "bytes_staged": 0}
         self._save_policy = save_policy(every, every_seconds)
         self._keep = retention_policy(keep)
         self._keep_remote = retention_policy(keep_remote)
@@ -121,6 +128,8 @@ class Checkpointer:
         self._tier.prepare()
         self._coord: Coordinator = make_coordinator(process_group, self._tier)
         if self._coord.is_leader:
+            if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
+                self._local_catalog_storage().write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])
             for path in self._tier.clean_leftovers(keep_session=self._coord.session):
                 log.info("resilient: removed leftover of an uncommitted save: %s", path)
         self._coord.barrier()
@@ -144,7 +153,7 @@ class Checkpointer:
             after_commit=self._after_commit,
         )
         self._retention_lock = threading.Lock()
-        self._local_catalog = Catalog(LocalStorage(self.root))
+        self._local_catalog = Catalog(self._local_catalog_storage())
         self._uploader: Uploader | None = None
         if self._remote is not None and self._coord.is_leader:
             self._uploader = Uploader(
@@ -192,12 +201,16 @@ class Checkpointer:
         previous = self._inflight
         if previous is not None:
             previous._done.wait()  # the staging buffer is still being written from
+            if self.strict and previous._error is not None:
+                raise previous._error
         key = layout_key(flat.tensors)
         if self._plan is None or self._plan[0] != key:
             self._plan = (key, plan_rank(flat.tensors, self._coord.rank, self._coord.world_size))
         plan = self._plan[1]
         buffer = self._staging.stage(plan, flat.tensors)
         handle.nbytes = buffer.numel()
+        self.stats["bytes_staged"] += handle.nbytes
+        handle._on_settle = self._count
         handle.staged_at = time.perf_counter()
         self._seq += 1
         with self._lock:
@@ -215,6 +228,12 @@ class Checkpointer:
             )
         )
         return handle
+
+    def _local_catalog_storage(self) -> LocalStorage:
+        return LocalStorage(self.root)
+
+    def _count(self, handle: SaveHandle) -> None:
+        self.stats["saves_committed" if handle.committed else "saves_failed"] += 1
 
     def _after_commit(self, step: int) -> None:
         # leader, writer thread, right after a local commit

@@ -31,6 +31,7 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "MANIFEST",
+    "REMOTE_RECORD",
     "step_dir_name",
     "parse_step_dir",
     "data_file_name",
@@ -43,6 +44,7 @@ __all__ = [
 FORMAT = "resilient.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 _STEP_RE = re.compile(r"^step-(\d{10})$")
 _DTYPES = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)

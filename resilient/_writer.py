@@ -49,6 +49,7 @@ class SaveHandle:
         self.nbytes = 0
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._on_settle: Callable[["SaveHandle"], None] | None = None
 
     @property
     def committed(self) -> bool:
@@ -68,6 +69,8 @@ class SaveHandle:
         self._error = error
         self.committed_at = time.perf_counter()
         self._done.set()
+        if self._on_settle is not None:
+            self._on_settle(self)
 
 
 @dataclass
@@ -153,7 +156,9 @@ class BackgroundWriter:
         self.commit_timeout = commit_timeout
         self.after_commit = after_commit
         self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="resilient-encode")
+        # CRC32 alone runs at ~4 GB/s on one core, faster than the disks we write to: one
+        # thread keeps up and leaves the other cores to training; zstd needs two.
+        self._pool = ThreadPoolExecutor(max_workers=2 if codec == "zstd" else 1, thread_name_prefix="resilient-encode")
         self._thread = threading.Thread(target=self._loop, name="resilient-writer", daemon=True)
         self._thread.start()
 

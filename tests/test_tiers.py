@@ -198,3 +198,54 @@ def test_missing_extra_names_the_pip_command(tmp_path):
         pass
     with pytest.raises(StorageError, match=r"pip install 'resilient\[gcs\]'"):
         Checkpointer(tmp_path / "l", remote="gs://bucket/run")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 3 MiB tmpfs: a real 'No space left on device' (needs root; skipped otherwise)."""
+    import subprocess
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield str(mnt)
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_full_local_disk_fails_that_save_cleanly_and_training_goes_on(tiny_disk, caplog):
+    from resilient import CommitError
+
+    small, big = {"w": torch.ones(1 << 16)}, {"w": torch.ones(1 << 20)}  # 256 KiB, 4 MiB
+    with Checkpointer(tiny_disk, keep=None) as ckpt:
+        ckpt.save(1, small)
+        ckpt.wait()
+        ckpt.save(2, big)  # does not fit
+        with pytest.raises(CommitError, match="No space left"):
+            ckpt.wait()
+        ckpt.save(3, small)  # training and saving go on
+        ckpt.wait()
+        assert ckpt.latest() == 3 and ckpt.stats["saves_failed"] == 1 and ckpt.stats["saves_committed"] == 2
+    assert any("No space left" in r.getMessage() for r in caplog.records)
+    assert sorted(n for n in os.listdir(tiny_disk) if n.startswith("step-")) == ["step-0000000001", "step-0000000003"]
+    assert os.listdir(os.path.join(tiny_disk, ".pending")) == []  # the failed save left nothing behind
+    with Checkpointer(tiny_disk, keep=None, strict=True) as ckpt:
+        ckpt.save(4, big)
+        with pytest.raises(CommitError):
+            ckpt.save(5, small)  # strict: the failure surfaces in the training loop
+
+
+def test_ckpt_ls_shows_which_tiers_hold_each_step(tmp_path, s3_server, capsys):
+    from resilient.ckpt import main
+
+    url, opts = s3_url(s3_server), s3_server["options"]
+    root = str(tmp_path / "l")
+    with Checkpointer(root, remote=url, storage_options=opts, keep=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"x": torch.full((4,), float(step))})
+        ckpt.flush(timeout=60)
+    assert main(["ls", root, "--json", "--storage-options", json.dumps(opts)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["tiers"]) for r in rows] == [(1, ["s3"]), (2, ["s3"]), (3, ["local", "s3"])]
+    with open(os.path.join(root, ".remote.json")) as f:
+        assert opts["secret"] not in f.read()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._catalog import COMMITTED, CORRUPT, Catalog, Entry
-from .._format import dtype_from_name
+from .._format import REMOTE_RECORD, dtype_from_name
 from .._errors import CheckpointCorruptError, StorageError
 from .._policy import KeepLast, to_delete
 from .._storage import is_remote, open_storage
@@ -78,9 +78,9 @@ def _values(node: dict[str, Any], path: str = "") -> list[tuple[str, Any]]:
     return []
 
 
-def _entry_json(e: Entry, url: str) -> dict[str, Any]:
+def _entry_json(e: Entry, tiers: list[str]) -> dict[str, Any]:
     m = e.manifest or {}
-    return {"step": e.step, "state": e.state, "tiers": [_tier_name(url)], "bytes": e.nbytes,
+    return {"step": e.step, "state": e.state, "tiers": tiers, "bytes": e.nbytes,
             "world_size": m.get("world_size"), "created": m.get("created"), "problem": e.problem}
 
 
@@ -90,19 +90,45 @@ def _emit_json(obj: Any) -> None:
 
 
 # -- commands ------------------------------------------------------------------------------------
-def cmd_ls(a: argparse.Namespace) -> int:
+def _tiers(a: argparse.Namespace) -> list[tuple[str, Catalog]]:
+    """The root's tier, plus the remote tier a Checkpointer recorded in a local root."""
     catalog = _catalog(a.root, a.storage_options)
-    entries = catalog.entries(deep=a.verify)
+    tiers = [(_tier_name(a.root), catalog)]
+    if not is_remote(a.root) and catalog.storage.exists(REMOTE_RECORD):
+        url = json.loads(catalog.storage.read(REMOTE_RECORD))["url"]
+        try:
+            remote = Catalog(open_storage(url, a.storage_options))
+            remote.steps()
+            tiers.append((_tier_name(url), remote))
+        except Exception as exc:
+            print(f"{PROG}: warning: remote tier {url} not readable ({type(exc).__name__}: {exc}); "
+                  "showing the local tier only", file=sys.stderr)
+    return tiers
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    merged: dict[int, tuple[Entry, list[str]]] = {}
+    for name, catalog in _tiers(a):
+        for e in catalog.entries(deep=a.verify):
+            best, names = merged.get(e.step, (e, []))
+            if e.state == COMMITTED:
+                names.append(name)
+            if best.state != COMMITTED and e.state == COMMITTED:
+                best = e
+            merged[e.step] = (best, names)
+    rows_json = []
+    for step in sorted(merged):
+        e, names = merged[step]
+        rows_json.append(_entry_json(e, names))
     if a.json:
-        _emit_json([_entry_json(e, a.root) for e in entries])
-    elif not entries:
-        print(f"no checkpoints in {catalog.storage.url}")
+        _emit_json(rows_json)
+    elif not rows_json:
+        print(f"no checkpoints in {a.root}")
     else:
-        rows = [[str(e.step), e.state, _tier_name(a.root), human_bytes(e.nbytes) if e.manifest else "-",
-                 str((e.manifest or {}).get("world_size", "-")), human_age((e.manifest or {}).get("created")),
-                 e.problem or ""] for e in entries]
+        rows = [[str(r["step"]), r["state"], ",".join(r["tiers"]) or "-", human_bytes(r["bytes"]) if r["bytes"] else "-",
+                 str(r["world_size"] or "-"), human_age(r["created"]), r["problem"] or ""] for r in rows_json]
         table(["STEP", "STATE", "TIERS", "SIZE", "RANKS", "AGE", "PROBLEM"], rows, colour_col=1)
-    return 1 if any(e.state == CORRUPT for e in entries) else 0
+    return 1 if any(r["state"] == CORRUPT for r in rows_json) else 0
 
 
 def cmd_show(a: argparse.Namespace) -> int:
