@@ -71,7 +71,7 @@ def main() -> None:
         restore = time.perf_counter() - t0
 
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
         dcp_url = f"s3://bench/dcp-{uuid.uuid4().hex[:6]}"
         dcp.save(state, storage_writer=FsspecWriter(dcp_url, **opts), no_dist=True)

@@ -142,8 +142,10 @@ class Checkpointer:
         self._bad_steps: set[int] = set()
         self._lock = threading.Lock()
         # Cold reads reach the disk's sequential bandwidth only with several requests in
-        # flight (measured: 4 threads ~80%, 8 threads ~90% of one sequential reader).
-        self._read_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="resilient-read")
+        # flight (measured: 4 threads ~80%, 8 threads ~90% of one sequential reader); ranks
+        # of one node share the disk, so they share those requests too.
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        self._read_pool = ThreadPoolExecutor(max_workers=max(2, 8 // local_ranks), thread_name_prefix="resilient-read")
         self._writer = BackgroundWriter(
             self._tier,
             self._coord,
@@ -372,6 +374,7 @@ class Checkpointer:
                 if failure is not None:
                     raise failure
                 manifest = self._tier.read_manifest(step)
+                touched = True
                 rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, self._read_pool)
             except (CheckpointCorruptError, OSError) as exc:
                 failure = exc
@@ -390,7 +393,6 @@ class Checkpointer:
                 )
                 self._bad_steps.add(step)
                 ceiling = step
-                touched = True
                 continue
             if self.rng and rng:
                 apply_rng(rng)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 from ._catalog import Catalog
 from ._format import MANIFEST, step_dir_name
-from ._storage import Storage
+from ._storage import LocalStorage, Storage
 
 __all__ = ["copy_step", "has_all_files"]
 
@@ -57,7 +57,14 @@ def copy_step(
                         progress(len(stored))
                 yield stored
 
-        dst.write(path, stream())
+        if isinstance(src.storage, LocalStorage):
+            # verify from the local disk (fast), then let the backend upload the file its
+            # own way (S3: concurrent multipart) instead of one sequential stream
+            for _ in stream():
+                pass
+            dst.put_file(src.storage.local_path(path), path)
+        else:
+            dst.write(path, stream())
         size = dst.size(path)
         if size != record["bytes"]:
             raise OSError(f"{dst.url}/{path}: wrote {size} bytes, expected {record['bytes']}")
