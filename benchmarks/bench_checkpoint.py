@@ -28,7 +28,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import GB, PeakRSS, disk_seconds, drop_cache, memcpy_seconds
+from benchmarks.common import GB, PeakRSS, disk_seconds, drop_cache, mean_step_seconds, memcpy_seconds
 
 N_PARAMS = 26
 METHODS = ["resilient", "torch.save", "dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)",
@@ -195,22 +195,11 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def step_slowdown(save: Callable[[], Callable[[], bool]], n: int = 1024) -> float:
-    """Mean matmul step time while a save is being written / the same without one."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-
-    def steps(until: Callable[[], bool], limit: int) -> float:
-        times = []
-        while len(times) < limit and not until():
-            t = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - t)
-        return sum(times) / max(1, len(times))
-
-    idle = steps(lambda: False, 20)
+def step_slowdown(save: Callable[[], Callable[[], bool]]) -> float:
+    """Mean step time while a save is being written / the same without one."""
+    idle = mean_step_seconds(lambda: False, 20)
     done = save()
-    busy = steps(done, 10_000)
-    return busy / idle
+    return mean_step_seconds(done, 10_000) / idle
 
 
 def worker(args: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ import fsspec
 import torch
 
 from benchmarks.bench_checkpoint import build_state, zero_state
-from benchmarks.common import GB
+from benchmarks.common import GB, mean_step_seconds
 from tests.launch import free_port
 
 
@@ -60,9 +60,8 @@ def main() -> None:
             upload = time.perf_counter() - t0
             # step slowdown while an upload runs
             ckpt.save(2, state).result()
-            a_, b_ = torch.randn(1024, 1024), torch.randn(1024, 1024)
-            idle = _mean_step(a_, b_, lambda: False, 20)
-            busy = _mean_step(a_, b_, lambda: not ckpt._uploader.pending(), 10_000)
+            idle = mean_step_seconds(lambda: False, 20)
+            busy = mean_step_seconds(lambda: not ckpt._uploader.pending(), 10_000)
             ckpt.flush()
         zero_state(state)
         t0 = time.perf_counter()
@@ -89,15 +88,6 @@ def main() -> None:
     print(f"| restore on an empty disk vs DCP FsspecReader | {restore:.2f} s | {dcp_restore:.2f} s "
           f"| {dcp_restore / restore:.2f}× faster |")
     print(f"| matmul step slowdown while uploading | {busy / idle:.2f}× | – | – |")
-
-
-def _mean_step(a, b, until, limit):
-    times = []
-    while len(times) < limit and not until():
-        t = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t)
-    return sum(times) / max(1, len(times))
 
 
 if __name__ == "__main__":

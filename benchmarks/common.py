@@ -98,3 +98,15 @@ class PeakRSS:
     @property
     def extra(self) -> int:
         return self.peak - self.base
+
+
+def mean_step_seconds(until: Callable[[], bool], limit: int, n: int = 1024) -> float:
+    """Mean time of an n×n matmul (a stand-in training step), repeated until ``until()``
+    or ``limit`` steps."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times: list[float] = []
+    while len(times) < limit and not until():
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return sum(times) / max(1, len(times))

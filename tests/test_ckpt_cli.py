@@ -12,6 +12,7 @@ import torch
 from resilient import Checkpointer
 from resilient.ckpt import main
 
+from .faults import flip_byte
 from .launch import REPO, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
@@ -80,11 +81,7 @@ def test_verify_finds_a_flipped_byte_and_ls_shows_damage(capsys, tmp_path):
         ckpt.save(2, make_state(2))
     assert run(capsys, "verify", root)[0] == 0
     data = os.path.join(root, "step-0000000002", "rank-00000.data")
-    with open(data, "r+b") as f:
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(data, 100)
     code, _, err = run(capsys, "verify", root, "--step", "2")
     assert code == 1 and "step 2" in err and "checksum mismatch" in err
     code, out, _ = run(capsys, "ls", root, "--verify", "--json")

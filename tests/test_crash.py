@@ -10,6 +10,7 @@ import torch
 
 from resilient import Checkpointer, CheckpointCorruptError
 
+from .faults import flip_byte
 from .launch import run_ranks
 
 
@@ -29,14 +30,6 @@ def test_sigkill_at_any_moment_leaves_a_consistent_latest(tmp_path, delay):
     assert torch.equal(state["v"], torch.arange(1000, dtype=torch.float64))
 
 
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x80]))
-
-
 @pytest.mark.parametrize("compress", [None, "zstd"])
 def test_flipped_byte_is_skipped_with_a_warning_naming_the_file(root, caplog, compress):
     state = {"w": torch.arange(100_000, dtype=torch.float32)}
@@ -45,7 +38,7 @@ def test_flipped_byte_is_skipped_with_a_warning_naming_the_file(root, caplog, co
         state["w"].add_(1)
         ckpt.save(2, state)
     bad = os.path.join(root, "step-0000000002", "rank-00000.data")
-    _flip(bad, os.path.getsize(bad) // 2)
+    flip_byte(bad, os.path.getsize(bad) // 2)
     target = {"w": torch.zeros(100_000)}
     with caplog.at_level(logging.WARNING, logger="resilient"):
         with Checkpointer(root) as ckpt:
@@ -75,7 +68,7 @@ def test_missing_or_truncated_file_is_skipped(root, caplog):
 def test_only_checkpoint_corrupt_raises_rather_than_return_half_loaded(root):
     with Checkpointer(root) as ckpt:
         ckpt.save(1, {"w": torch.ones(1000)})
-    _flip(os.path.join(root, "step-0000000001", "rank-00000.data"), 5)
+    flip_byte(os.path.join(root, "step-0000000001", "rank-00000.data"), 5)
     # With nothing older to fall back to, a restore that may have touched the state says so.
     with Checkpointer(root) as ckpt:
         with pytest.raises(CheckpointCorruptError, match="partially"):

@@ -7,6 +7,7 @@ import torch
 
 from resilient import Checkpointer
 
+from .faults import flip_byte
 from .launch import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -83,11 +84,7 @@ def test_corrupt_shard_seen_by_one_rank_makes_all_ranks_fall_back(tmp_path):
     run_ranks("dtensor_save", 2, {"root": root, "step": 4})
     # Flip one byte of rank 1's shard of "a" in step 4 (only rank 1 reads it back).
     path = os.path.join(root, "step-0000000004", "rank-00001.data")
-    with open(path, "r+b") as f:
-        f.seek(10)
-        byte = f.read(1)
-        f.seek(10)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(path, 10, 0x01)
     results = run_ranks("dtensor_load", 2, {"root": root, "expect_step": 3})
     assert "rank-00001.data" in results[1].output and "checksum mismatch" in results[1].output
 
