@@ -109,4 +109,4 @@ def mean_step_seconds(until: Callable[[], bool], limit: int, n: int = 1024) -> f
         t = time.perf_counter()
         torch.mm(a, b)
         times.append(time.perf_counter() - t)
-    return sum(times) / max(1, len(times))
+    return sum(times) / len(times) if times else float("nan")  # nan: it ended before one step
