@@ -353,6 +353,7 @@ class Checkpointer:
         coord = self._coord
         ceiling: int | None = None
         touched = False  # a failed load may have written into the state already
+        refetched: set[int] = set()  # steps whose damaged local copy was replaced from remote
         while True:
             steps = sorted((set(self._tier.committed_steps()) | set(self._remote_steps())) - self._bad_steps)
             if ceiling is not None:
@@ -388,6 +389,16 @@ class Checkpointer:
                 )
             if verdict == 1:
                 where = self._tier.step_dir(step)
+                if step not in refetched and coord.agree_min(int(step in self._remote_steps())):
+                    # the local copy is damaged but the remote tier has the step: replace the
+                    # local copy from there and try the same step again
+                    log.warning("resilient: local checkpoint %s unusable (%s); fetching it again from %s",
+                                where, failure or "another rank could not load it", self._remote.url)
+                    refetched.add(step)
+                    if coord.is_leader and step in self._tier.committed_steps():
+                        self._tier.delete(step)
+                    coord.barrier()
+                    continue
                 log.warning(
                     "resilient: skipping checkpoint %s: %s", where, failure or "another rank could not load it"
                 )

@@ -249,3 +249,20 @@ def test_ckpt_ls_shows_which_tiers_hold_each_step(tmp_path, s3_server, capsys):
     assert [(r["step"], r["tiers"]) for r in rows] == [(1, ["s3"]), (2, ["s3"]), (3, ["local", "s3"])]
     with open(os.path.join(root, ".remote.json")) as f:
         assert opts["secret"] not in f.read()
+
+
+def test_damaged_local_copy_is_replaced_from_the_remote_tier(tmp_path, s3_server, caplog):
+    from .faults import flip_byte
+
+    url, opts = s3_url(s3_server), s3_server["options"]
+    root = tmp_path / "l"
+    state = {"w": torch.arange(50_000, dtype=torch.float32)}
+    with Checkpointer(root, remote=url, storage_options=opts) as ckpt:
+        ckpt.save(1, state)
+        ckpt.flush(timeout=60)
+    flip_byte(str(root / "step-0000000001" / "rank-00000.data"), 1000)
+    target = {"w": torch.zeros(50_000)}
+    with Checkpointer(root, remote=url, storage_options=opts) as ckpt:
+        assert ckpt.restore(target) == 1  # the same step, not an older one
+    assert torch.equal(target["w"], state["w"])
+    assert any("fetching it again" in r.getMessage() for r in caplog.records)
