@@ -239,7 +239,7 @@ def worker(args: dict[str, Any]) -> None:
                         "slowdown": slowdown})
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
-        del method
+        method = None  # drop its buffers before the next method allocates its own
         gc.collect()
     print("RESULT " + json.dumps(results), flush=True)
     if dist.is_initialized():
@@ -311,7 +311,6 @@ def main() -> None:
                 for i, name in enumerate(runnable):
                     rr = [pr[i] for pr in per_rank]
                     worst = {k: max(x[k] or 0 for x in rr) for k in ("stall", "durable", "restore", "rss_extra")}
-                    local = max(x["local_bytes"] for x in rr)
                     memcpy_local = max(x["memcpy_local"] for x in rr)
                     row = {"gb": gb, "world": world, "layout": layout, "method": name, **worst, "limits": limits,
                            "stall_x_memcpy": worst["stall"] / memcpy_local,

@@ -10,11 +10,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, MutableMapping
 
-import torch.distributed as dist
 
+from ._catalog import Catalog
 from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
-from ._catalog import Catalog
 from ._format import MANIFEST, REMOTE_RECORD, step_dir_name
 from ._local import LocalTier
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete

@@ -6,7 +6,6 @@ import random
 
 import numpy as np
 import psutil
-import pytest
 import torch
 
 from resilient import Checkpointer, KeepEvery, KeepLast, AnyOf
