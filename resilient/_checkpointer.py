@@ -14,6 +14,7 @@ from typing import Any, Mapping, MutableMapping
 from ._catalog import Catalog
 from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
+from ._events import EventLog
 from ._format import MANIFEST, REMOTE_RECORD, step_dir_name
 from ._local import LocalTier
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
@@ -77,6 +78,9 @@ class Checkpointer:
         rng: save and restore the torch / CUDA / Python / numpy generator states.
         strict: raise a failed save's ``CommitError`` from the next ``save`` (default: log
             it, count it in ``stats``, keep training; ``wait`` always raises it).
+        events: a JSON-lines file that every rank appends its events to (save started,
+            staged, committed or failed, uploaded, restored); default
+            ``RESILIENT_EVENT_LOG``, or off.
         commit_timeout: seconds to wait for the other ranks when committing
             (default ``RESILIENT_COMMIT_TIMEOUT`` or 600).
     """
@@ -96,6 +100,7 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None,
         rng: bool = True,
         strict: bool = False,
+        events: str | None = None,
         commit_timeout: float | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
@@ -133,6 +138,7 @@ class Checkpointer:
                 log.info("resilient: removed leftover of an uncommitted save: %s", path)
         self._coord.barrier()
 
+        self._events = EventLog(events or os.environ.get("RESILIENT_EVENT_LOG") or None, self._coord.rank)
         self._staging = Staging()
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
@@ -162,7 +168,7 @@ class Checkpointer:
                 self._remote,
                 commits=self._coord.rank == 0,
                 keep_remote=self._keep_remote,
-                on_uploaded=lambda step: self._apply_retention(),
+                on_uploaded=self._on_uploaded,
             )
         self._closed = False
 
@@ -198,6 +204,7 @@ class Checkpointer:
         if not due:
             return None
         handle = SaveHandle(step)
+        self._events.emit("save_started", step=step)
         flat = flatten_state(state)  # raises on unsupported values before anything is written
         previous = self._inflight
         if previous is not None:
@@ -213,6 +220,8 @@ class Checkpointer:
         self.stats["bytes_staged"] += handle.nbytes
         handle._on_settle = self._count
         handle.staged_at = time.perf_counter()
+        self._events.emit("save_staged", step=step, stall_s=round(handle.staged_at - handle.started, 6),
+                          bytes=handle.nbytes)
         self._seq += 1
         with self._lock:
             self._inflight = handle
@@ -235,6 +244,17 @@ class Checkpointer:
 
     def _count(self, handle: SaveHandle) -> None:
         self.stats["saves_committed" if handle.committed else "saves_failed"] += 1
+        took = round((handle.committed_at or 0.0) - handle.started, 6)
+        if handle.committed:
+            self._events.emit("save_committed", step=handle.step, tier="local", seconds=took)
+        else:
+            self._events.emit("save_failed", step=handle.step, seconds=took, error=str(handle._error))
+
+    def _on_uploaded(self, step: int, seconds: float | None) -> None:
+        if seconds is not None and self._coord.rank == 0:  # rank 0 writes the remote commit record
+            self._events.emit("save_committed", step=step, tier=self._remote.url.split("://")[0],
+                              seconds=round(seconds, 6))
+        self._apply_retention()
 
     def _after_commit(self, step: int) -> None:
         # leader, writer thread, right after a local commit
@@ -318,7 +338,7 @@ class Checkpointer:
         steps -= self._bad_steps
         return max(steps) if steps else None
 
-    def _fetch(self, step: int) -> Exception | None:
+    def _fetch(self, step: int, fetched: set[int]) -> Exception | None:
         """Leader: make every file of ``step`` present locally, downloading only what is
         missing from the remote tier. Returns the failure, if any."""
         if self._remote is None or not self._coord.is_leader:
@@ -330,6 +350,7 @@ class Checkpointer:
             t0 = time.perf_counter()
             moved = copy_step(Catalog(self._remote), self._local_catalog.storage, step, skip_present=True,
                               workers=8)
+            fetched.add(step)
             log.info("resilient: fetched step %d from %s (%d bytes in %.2f s)", step, self._remote.url, moved,
                      time.perf_counter() - t0)
             return None
@@ -351,6 +372,8 @@ class Checkpointer:
             log.warning("resilient: %s", exc)
         coord = self._coord
         ceiling: int | None = None
+        started = time.perf_counter()
+        fetched_steps: set[int] = set()
         touched = False  # a failed load may have written into the state already
         refetched: set[int] = set()  # steps whose damaged local copy was replaced from remote
         while True:
@@ -367,7 +390,7 @@ class Checkpointer:
                 return 0
             refused: ResilientError | None = None
             rng = None
-            failure = self._fetch(step)
+            failure = self._fetch(step, fetched_steps)
             if coord.agree_max(int(failure is not None)):  # also: nobody reads before the fetch is done
                 failure = failure or CheckpointCorruptError(f"another node could not fetch step {step}")
             try:
@@ -406,6 +429,8 @@ class Checkpointer:
                 continue
             if self.rng and rng:
                 apply_rng(rng)
+            self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),
+                              fetched=step in fetched_steps)
             return step
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -428,6 +453,7 @@ class Checkpointer:
         finally:
             if self._uploader is not None:
                 self._uploader.close()
+            self._events.close()
             if not self._writer.stop(timeout=timeout):
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._read_pool.shutdown()

@@ -34,7 +34,7 @@ class Uploader:
         *,
         commits: bool,
         keep_remote: RetentionPolicy | None,
-        on_uploaded: Callable[[int], None],
+        on_uploaded: Callable[[int, float | None], None],
         base_delay: float = 0.2,
         max_delay: float = 10.0,
     ) -> None:
@@ -127,7 +127,7 @@ class Uploader:
             self._caught_up = True
             self._cond.notify_all()
         for step in committed_remote:
-            self.on_uploaded(step)
+            self.on_uploaded(step, None)  # found there, not uploaded now
 
     def _loop(self) -> None:
         if not self._retrying(f"listing {self.remote.storage.url}", self._catch_up):
@@ -139,6 +139,7 @@ class Uploader:
                 if self._closed:
                     return
                 step = self._queue[0]
+            started = time.perf_counter()
             if not self.local.storage.exists(f"step-{step:010d}/manifest.json"):
                 ok = True  # deleted locally before it could be uploaded (only without a remote)
             else:
@@ -150,7 +151,7 @@ class Uploader:
                 self._queue.remove(step)
                 self._done.add(step)
                 self._cond.notify_all()
-            self.on_uploaded(step)
+            self.on_uploaded(step, time.perf_counter() - started)
             if self.commits:
                 self._retrying("remote retention", self._retention)
 

@@ -1,0 +1,45 @@
+"""A structured event log: one JSON object per line, one file per run, shared by every rank.
+
+What happened and when, for people and tools after the fact (timelines, goodput), without
+parsing log text. Each line is written with a single ``write`` on a file opened with
+``O_APPEND``, so lines from concurrent ranks on one machine never interleave. Off unless a
+path is given (``events=`` or ``RESILIENT_EVENT_LOG``). Never holds credentials: fields
+are steps, sizes, durations, tier names and error messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+__all__ = ["EventLog"]
+
+
+class EventLog:
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Append ``{"t", "event", "rank", **fields}``; a no-op when the log is off."""
+        if self._fd is None:
+            return
+        line = json.dumps({"t": round(time.time(), 6), "event": event, "rank": self.rank, **fields},
+                          default=str).encode() + b"\n"
+        with self._lock:
+            if self._fd is not None:
+                os.write(self._fd, line)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

@@ -1,0 +1,69 @@
+"""The JSON-lines event log: what happened, in order, from every rank into one file."""
+
+import json
+
+import torch
+
+from resilient import Checkpointer
+
+from .launch import run_ranks
+
+
+def read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_saves_uploads_and_restores_are_logged_in_order(tmp_path):
+    log = str(tmp_path / "run.jsonl")
+    state = {"w": torch.ones(1000)}
+    with Checkpointer(tmp_path / "l", remote=f"memory://events-{tmp_path.name}", events=log) as ckpt:
+        ckpt.save(1, state)
+        ckpt.save(2, state)
+        ckpt.flush(timeout=30)
+    with Checkpointer(tmp_path / "empty", remote=f"memory://events-{tmp_path.name}", events=log) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(1000)}) == 2
+    events = read(log)
+    names = [(e["event"], e.get("step"), e.get("tier")) for e in events]
+    for step in (1, 2):
+        started = names.index(("save_started", step, None))
+        staged = names.index(("save_staged", step, None))
+        local = names.index(("save_committed", step, "local"))
+        remote = names.index(("save_committed", step, "memory"))
+        assert started < staged < local < remote
+    restored = [e for e in events if e["event"] == "restored"]
+    assert restored[0]["step"] == 2 and restored[0]["fetched"] is True and restored[0]["seconds"] >= 0
+    staged = [e for e in events if e["event"] == "save_staged"][0]
+    assert staged["bytes"] == 4000 and staged["stall_s"] > 0
+    assert all(e["rank"] == 0 and isinstance(e["t"], float) for e in events)
+
+
+def test_failed_save_is_logged(tmp_path):
+    import shutil
+
+    import pytest
+
+    from resilient import CommitError
+
+    log = str(tmp_path / "run.jsonl")
+    with Checkpointer(tmp_path / "l", events=log, commit_timeout=5) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3)})
+        ckpt.wait()
+        # the pending area turned into a file: the next save cannot write (root ignores modes)
+        shutil.rmtree(tmp_path / "l" / ".pending")
+        (tmp_path / "l" / ".pending").write_text("not a directory")
+        ckpt.save(2, {"w": torch.ones(3)})
+        with pytest.raises(CommitError):
+            ckpt.wait()
+    failed = [e for e in read(log) if e["event"] == "save_failed"]
+    assert failed and failed[0]["step"] == 2 and failed[0]["error"]
+
+
+def test_every_rank_appends_whole_lines_to_one_file(tmp_path):
+    log = str(tmp_path / "run.jsonl")
+    run_ranks("train", 2, {"root": str(tmp_path / "r"), "every": 2, "total": 12, "dropout": 0.0},
+              env={"RESILIENT_EVENT_LOG": log})
+    events = read(log)  # every line parses: no interleaving
+    assert {e["rank"] for e in events} == {0, 1}
+    committed = {(e["rank"], e["step"]) for e in events if e["event"] == "save_committed"}
+    assert committed == {(r, s) for r in (0, 1) for s in range(2, 13, 2)}
