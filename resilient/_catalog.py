@@ -53,10 +53,20 @@ class Catalog:
             raise FileNotFoundError(f"{self.storage.url}: no such checkpoint root") from None
         return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
 
+    def is_committed(self, step: int) -> bool:
+        """Whether ``step``'s commit record is there (files and checksums not checked)."""
+        return self.storage.exists(f"{step_dir_name(step)}/{MANIFEST}")
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a commit record, ascending; none when the root does not exist yet."""
+        if not self.storage.exists(""):
+            return []
+        return [s for s in self.steps() if self.is_committed(s)]
+
     def entry(self, step: int, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> Entry:
         """The state of ``step``: files and sizes checked; with ``deep``, every checksum too."""
         sdir = step_dir_name(step)
-        if not self.storage.exists(f"{sdir}/{MANIFEST}"):
+        if not self.is_committed(step):
             return Entry(step, PARTIAL, "no commit record (manifest.json)")
         try:
             manifest = self.manifest(step)

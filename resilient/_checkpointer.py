@@ -15,7 +15,7 @@ from ._catalog import Catalog
 from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
 from ._events import EventLog
-from ._format import MANIFEST, REMOTE_RECORD, step_dir_name
+from ._format import REMOTE_RECORD
 from ._local import LocalTier
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import load_checkpoint
@@ -129,11 +129,12 @@ class Checkpointer:
         self._remote: Storage | None = open_storage(remote, self.storage_options) if remote else None
 
         self._tier = LocalTier(self.root)
+        self._local_storage = LocalStorage(self.root)  # the same directory, seen through the storage seam
         self._tier.prepare()
         self._coord: Coordinator = make_coordinator(process_group, self._tier)
         if self._coord.is_leader:
             if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
-                self._local_catalog_storage().write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])
+                self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])
             for path in self._tier.clean_leftovers(keep_session=self._coord.session):
                 log.info("resilient: removed leftover of an uncommitted save: %s", path)
         self._coord.barrier()
@@ -160,7 +161,7 @@ class Checkpointer:
             after_commit=self._after_commit,
         )
         self._retention_lock = threading.Lock()
-        self._local_catalog = Catalog(self._local_catalog_storage())
+        self._local_catalog = Catalog(self._local_storage)
         self._uploader: Uploader | None = None
         if self._remote is not None and self._coord.is_leader:
             self._uploader = Uploader(
@@ -203,7 +204,7 @@ class Checkpointer:
             due = self._coord.broadcast_flag(due)
         if not due:
             return None
-        handle = SaveHandle(step)
+        handle = SaveHandle(step, on_settle=self._count)
         self._events.emit("save_started", step=step)
         flat = flatten_state(state)  # raises on unsupported values before anything is written
         previous = self._inflight
@@ -218,7 +219,6 @@ class Checkpointer:
         buffer = self._staging.stage(plan, flat.tensors)
         handle.nbytes = buffer.numel()
         self.stats["bytes_staged"] += handle.nbytes
-        handle._on_settle = self._count
         handle.staged_at = time.perf_counter()
         self._events.emit("save_staged", step=step, stall_s=round(handle.staged_at - handle.started, 6),
                           bytes=handle.nbytes)
@@ -238,9 +238,6 @@ class Checkpointer:
             )
         )
         return handle
-
-    def _local_catalog_storage(self) -> LocalStorage:
-        return LocalStorage(self.root)
 
     def _count(self, handle: SaveHandle) -> None:
         self.stats["saves_committed" if handle.committed else "saves_failed"] += 1
@@ -312,7 +309,8 @@ class Checkpointer:
         if not newest:
             return
         # every rank returns only once the remote commit record of the newest step exists
-        while not self._remote.exists(f"{step_dir_name(newest[-1])}/{MANIFEST}"):
+        remote = Catalog(self._remote)
+        while not remote.is_committed(newest[-1]):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"step {newest[-1]} not committed on {self._remote.url} after {timeout} s")
             time.sleep(0.2)
@@ -323,10 +321,7 @@ class Checkpointer:
         if self._remote is None:
             return []
         try:
-            catalog = Catalog(self._remote)
-            if not self._remote.exists(""):
-                return []
-            return [s for s in catalog.steps() if self._remote.exists(f"{step_dir_name(s)}/{MANIFEST}")]
+            return Catalog(self._remote).committed_steps()
         except Exception as exc:
             log.warning("resilient: remote tier %s unreachable: %s: %s", self._remote.url, type(exc).__name__, exc)
             return []

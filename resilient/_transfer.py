@@ -16,7 +16,7 @@ from ._catalog import Catalog
 from ._format import MANIFEST, step_dir_name
 from ._storage import LocalStorage, Storage
 
-__all__ = ["copy_step", "has_all_files"]
+__all__ = ["copy_step", "commit_step", "has_all_files"]
 
 
 def copy_step(
@@ -77,8 +77,14 @@ def copy_step(
     else:
         total = sum(one(*item) for item in files)
     if commit:
-        dst.write(f"{sdir}/{MANIFEST}", [src.storage.read(f"{sdir}/{MANIFEST}")])
+        commit_step(src, dst, step)
     return total
+
+
+def commit_step(src: Catalog, dst: Storage, step: int) -> None:
+    """Write ``step``'s commit record (its manifest) on ``dst``: the last write of a copy."""
+    path = f"{step_dir_name(step)}/{MANIFEST}"
+    dst.write(path, [src.storage.read(path)])
 
 
 def has_all_files(catalog: Catalog, manifest: dict) -> bool:

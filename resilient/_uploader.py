@@ -19,7 +19,7 @@ from typing import Callable
 from ._catalog import COMMITTED, Catalog
 from ._policy import RetentionPolicy, to_delete
 from ._storage import Storage
-from ._transfer import copy_step, has_all_files
+from ._transfer import commit_step, copy_step, has_all_files
 
 __all__ = ["Uploader"]
 
@@ -116,8 +116,7 @@ class Uploader:
 
     def _catch_up(self) -> None:
         """Queue every local checkpoint the remote tier lacks (after a restart, say)."""
-        remote_steps = set(self.remote.steps()) if self.remote.storage.exists("") else set()
-        committed_remote = {s for s in remote_steps if self.remote.storage.exists(f"step-{s:010d}/manifest.json")}
+        committed_remote = set(self.remote.committed_steps())
         with self._cond:
             self._done |= committed_remote
             for step in self.local.steps():
@@ -140,7 +139,7 @@ class Uploader:
                     return
                 step = self._queue[0]
             started = time.perf_counter()
-            if not self.local.storage.exists(f"step-{step:010d}/manifest.json"):
+            if not self.local.is_committed(step):
                 ok = True  # deleted locally before it could be uploaded (only without a remote)
             else:
                 ok = self._retrying(f"upload of step {step} to {self.remote.storage.url}",
@@ -168,7 +167,7 @@ class Uploader:
                 if self._closed:
                     raise RuntimeError("closed while waiting for other nodes' files")
                 self._cond.wait(0.2)
-        copy_step(self.local, self.remote.storage, step, skip_present=True, only_present=True, commit=True)
+        commit_step(self.local, self.remote.storage, step)
 
     def _retention(self) -> None:
         if self.keep_remote is None:

@@ -41,7 +41,7 @@ log = logging.getLogger("resilient")
 class SaveHandle:
     """Two-phase view of one save: staged when ``save`` returns, then committed (or failed)."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, on_settle: Callable[["SaveHandle"], None] | None = None) -> None:
         self.step = step
         self.started = time.perf_counter()
         self.staged_at: float | None = None
@@ -49,7 +49,7 @@ class SaveHandle:
         self.nbytes = 0
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._on_settle: Callable[["SaveHandle"], None] | None = None
+        self._on_settle = on_settle
 
     @property
     def committed(self) -> bool:

@@ -117,26 +117,23 @@ class FlakyFS(MemoryFileSystem):
     _errors = [ConnectionRefusedError("injected: connection refused"), OSError("injected: 503 SlowDown"),
                TimeoutError("injected: read timed out")]
 
-    def _fail(self):
+
+
+def _failing(name):
+    """MemoryFileSystem's method ``name``, raising one of the injected errors while broken."""
+    inner = getattr(MemoryFileSystem, name)
+
+    def method(self, *a, **k):
         if FlakyFS.broken:
             FlakyFS.calls_failed += 1
             raise FlakyFS._errors[FlakyFS.calls_failed % 3]
+        return inner(self, *a, **k)
 
-    def _open(self, *a, **k):
-        self._fail()
-        return super()._open(*a, **k)
+    return method
 
-    def cat_file(self, *a, **k):
-        self._fail()
-        return super().cat_file(*a, **k)
 
-    def ls(self, *a, **k):
-        self._fail()
-        return super().ls(*a, **k)
-
-    def info(self, *a, **k):
-        self._fail()
-        return super().info(*a, **k)
+for _name in ("_open", "cat_file", "ls", "info"):  # every read, write and listing goes through these
+    setattr(FlakyFS, _name, _failing(_name))
 
 
 @pytest.fixture
