@@ -1,0 +1,329 @@
+"""The ``etcd-v3`` rendezvous: rounds of a gang agreed in etcd, liveness by lease.
+
+Every agent registers ``nodes/<id>`` under its own lease (kept alive by
+:class:`~resilient.launch._etcd.LeaseKeeper`) and mirrors the run's prefix through one
+watch. A single key, ``round``, holds the gang: its number, its phase (``joining`` or
+``running``), who joined and, once running, the members in rank order and the address of
+the round's store. Every change to ``round`` is a transaction guarded by the revision the
+writer read, so two agents can never both win a race, and that revision is also the
+fencing token handed to workers.
+
+Why a handler of our own rather than torch's ``DynamicRendezvousHandler`` over an etcd
+backend: torch's handler finds dead nodes by a heartbeat sweep (3 x 5 s) and always waits
+its last-call timeout (30 s) for stragglers; here a node's liveness *is* its lease, so a
+round closes the moment every live node has joined, and the agent's own
+``num_nodes_waiting()`` poll learns of a lost member as soon as etcd expires its lease.
+Each round gets a fresh TCPStore hosted by its rank-0 agent (created before joining, so
+closing a round needs no second exchange): nothing stale from an earlier round can be
+read by restarted workers, and losing the node that hosted the previous store loses
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+from ._etcd import Etcd, KeyValue, LeaseKeeper, PrefixMirror, same_revision
+
+log = logging.getLogger(__name__)
+
+BACKEND = "etcd-v3"
+#: Environment variable through which workers learn their round (see ``resilient.launch.gang``).
+GANG_ENV = "RESILIENT_GANG"
+
+#: ``--rdzv-conf`` keys and their defaults (seconds).
+DEFAULTS: dict[str, float] = {
+    "lease_ttl": 5,           # a node silent this long is lost (etcd expires its lease)
+    "join_timeout": 600,      # longest wait for a gang of at least MIN nodes
+    "last_call_timeout": 10,  # once MIN have joined, longest wait for other live nodes
+    "store_timeout": 60,      # connecting to the round's store
+    "closed_ttl": 600,        # how long a finished run's "closed" mark outlives it
+}
+
+
+@dataclass
+class Round:
+    """The content of the ``round`` key."""
+
+    number: int
+    phase: str                                        # "joining" or "running"
+    joined: dict[str, str] = field(default_factory=dict)   # node -> address of its store
+    members: list[str] = field(default_factory=list)       # rank order, once running
+    previous: list[str] = field(default_factory=list)      # members of the last running round
+
+    def encode(self) -> str:
+        return json.dumps({"number": self.number, "phase": self.phase, "joined": self.joined,
+                           "members": self.members, "previous": self.previous})
+
+    @classmethod
+    def decode(cls, kv: KeyValue) -> "Round":
+        data = kv.json()
+        return cls(int(data["number"]), str(data["phase"]), dict(data.get("joined", {})),
+                   list(data.get("members", [])), list(data.get("previous", [])))
+
+
+def assign_ranks(joined: list[str], previous: list[str], size: int) -> list[str]:
+    """Order the gang: a node keeps its previous rank when it still fits, newcomers fill gaps.
+
+    Keeping ranks keeps each node next to the checkpoint files it wrote on its local tier;
+    a spare replacing a lost node takes exactly the lost node's ranks.
+    """
+    chosen = joined[:size]
+    order: list[str | None] = [None] * size
+    for node in chosen:
+        if node in previous and previous.index(node) < size:
+            order[previous.index(node)] = node
+    newcomers = iter(node for node in chosen if node not in order)
+    return [slot if slot is not None else next(newcomers) for slot in order]
+
+
+class EtcdV3RendezvousHandler(RendezvousHandler):
+    """torch's ``RendezvousHandler`` contract over etcd's v3 API (see module docstring)."""
+
+    def __init__(self, etcd: Etcd, run_id: str, min_nodes: int, max_nodes: int, *,
+                 local_addr: str | None = None, **timeouts: float) -> None:
+        if not 0 < min_nodes <= max_nodes:
+            raise ValueError(f"--nnodes must be MIN:MAX with 0 < MIN <= MAX, got {min_nodes}:{max_nodes}")
+        unknown = set(timeouts) - set(DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown --rdzv-conf key(s) for etcd-v3: {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(DEFAULTS)}")
+        self.etcd = etcd
+        self.run_id = run_id
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.conf = {**DEFAULTS, **{k: float(v) for k, v in timeouts.items()}}
+        self.node = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.prefix = f"/resilient/{run_id}/"
+        self._round_key = self.prefix + "round"
+        self._closed_key = self.prefix + "closed"
+        self._local_addr = local_addr
+        self._keeper: LeaseKeeper | None = None
+        self._mirror = PrefixMirror(etcd, self.prefix)
+        self._server: TCPStore | None = None        # the store this agent offers or hosts
+        self._running: Round | None = None          # the round our workers run in
+        self._running_revision = 0
+        self.last_change: str = ""                  # why num_nodes_waiting() last said "restart"
+
+    # -- RendezvousHandler -------------------------------------------------------------------
+    def get_backend(self) -> str:
+        return BACKEND
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # a fresh store per round: safe to share with workers
+
+    def is_closed(self) -> bool:
+        return self.etcd.get(self._closed_key) is not None
+
+    def set_closed(self) -> None:
+        lease = self.etcd.grant(int(self.conf["closed_ttl"]))
+        self.etcd.put(self._closed_key, json.dumps({"by": self.node, "at": time.time()}), lease=lease)
+
+    def shutdown(self) -> bool:
+        try:
+            self.set_closed()
+        except Exception as exc:  # noqa: BLE001 - shutting down must not raise
+            log.warning("could not mark run %s closed in etcd: %s", self.run_id, exc)
+        if self._keeper is not None:
+            self._keeper.close()
+        self._mirror.close()
+        self._server = None
+        return True
+
+    def num_nodes_waiting(self) -> int:
+        """Nonzero when the running gang must re-form: the agent then restarts its workers.
+
+        Counts a lost lease of our own (fenced), a newer round opened by someone, members
+        of our round whose lease expired, and live nodes waiting while the gang is below MAX.
+        Reads only the local mirror: the agent calls this every monitor interval.
+        """
+        if self._running is None or self._keeper is None:
+            return 0
+        if self._keeper.lost.is_set():
+            return self._restart("this node lost its etcd lease (fenced)", 1)
+        kvs = self._mirror.snapshot()
+        if self._closed_key in kvs or self._round_key not in kvs:
+            return 0
+        current = Round.decode(kvs[self._round_key])
+        if current.number != self._running.number:
+            return self._restart(f"round {current.number} opened", max(1, len(current.joined)))
+        alive = self._alive(kvs)
+        lost = [m for m in self._running.members if m not in alive]
+        if lost:
+            return self._restart(f"lost {', '.join(lost)}", len(lost))
+        if len(self._running.members) < self.max_nodes:
+            waiting = [n for n in alive if n not in self._running.members]
+            if waiting:
+                return self._restart(f"{', '.join(waiting)} waiting to join", len(waiting))
+        return 0
+
+    def _restart(self, cause: str, count: int) -> int:
+        if cause != self.last_change:
+            log.warning("[%s] gang must re-form: %s", self.node, cause)
+            self.last_change = cause
+        return count
+
+    def wait_membership_change(self, timeout: float) -> bool:
+        """Whether the running round is over (or ends within ``timeout`` s) for reasons
+        outside this node's workers: a lost member, a new round, our own lease lost."""
+        deadline = time.monotonic() + timeout
+        while True:
+            version = self._mirror.version
+            if self.num_nodes_waiting() > 0:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._mirror.wait_change(version, timeout=min(left, 0.5))
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        deadline = time.monotonic() + self.conf["join_timeout"]
+        self._register()
+        offered = self._offer_store()
+        min_reached_at: dict[int, float] = {}
+        while True:
+            if time.monotonic() > deadline:
+                raise RendezvousTimeoutError(
+                    f"no gang of at least {self.min_nodes} node(s) formed for run {self.run_id!r} within "
+                    f"join_timeout={self.conf['join_timeout']:.0f} s (etcd {self.etcd.spec})")
+            if self._keeper is None or self._keeper.lost.is_set():
+                self._register()
+            version = self._mirror.version
+            kvs = self._mirror.snapshot()
+            if self._closed_key in kvs:
+                raise RendezvousClosedError(f"run {self.run_id!r} is closed (finished or abandoned)")
+            try:
+                info = self._advance(kvs, offered, min_reached_at)
+            except OSError as exc:   # etcd unreachable for now: wait and read again
+                log.warning("rendezvous for %s: %s; retrying", self.run_id, exc)
+                info = None
+            if info is not None:
+                return info
+            self._mirror.wait_change(version, timeout=0.5)
+
+    # -- the round protocol ------------------------------------------------------------------
+    def _advance(self, kvs: dict[str, KeyValue], offered: str,
+                 min_reached_at: dict[int, float]) -> RendezvousInfo | None:
+        """One step towards a running round that includes this node; None: wait and retry."""
+        me = self.node
+        alive = self._alive(kvs)
+        if me not in alive:
+            return None  # our registration is not mirrored yet
+        kv = kvs.get(self._round_key)
+        if kv is None:
+            self._write(Round(1, "joining", {me: offered}), 0)
+            return None
+        state, revision = Round.decode(kv), kv.mod_revision
+
+        if state.phase == "running":
+            ours = self._running is not None and self._running.number == state.number
+            if me in state.members and not ours:
+                return self._finish(state, revision, offered)
+            lost = any(m not in alive for m in state.members)
+            if ours or lost or len(state.members) < self.max_nodes:
+                self._write(Round(state.number + 1, "joining", {me: offered}, previous=state.members), revision)
+            return None  # otherwise: a spare, waiting for a place
+
+        if me not in state.joined:
+            if len(state.joined) < self.max_nodes:
+                self._write(Round(state.number, "joining", {**state.joined, me: offered},
+                                  previous=state.previous), revision)
+            return None
+        gone = [n for n in state.joined if n not in alive]
+        if gone:
+            joined = {n: a for n, a in state.joined.items() if n not in gone}
+            self._write(Round(state.number, "joining", joined, previous=state.previous), revision)
+            return None
+        if len(state.joined) < self.min_nodes:
+            return None
+        first_full = min_reached_at.setdefault(state.number, time.monotonic())
+        everyone = set(alive) <= set(state.joined)
+        late = time.monotonic() - first_full >= self.conf["last_call_timeout"]
+        if len(state.joined) >= self.max_nodes or everyone or late:
+            joined = list(state.joined)
+            members = assign_ranks(joined, state.previous, min(len(joined), self.max_nodes))
+            self._write(Round(state.number, "running", state.joined, members, state.previous), revision)
+        return None
+
+    def _write(self, state: Round, expected_revision: int) -> bool:
+        return self.etcd.transact([same_revision(self._round_key, expected_revision)],
+                                  [(self._round_key, state.encode(), 0)])
+
+    def _finish(self, state: Round, revision: int, offered: str) -> RendezvousInfo:
+        """Our place in a running round: rank, world size and the round's store."""
+        rank = state.members.index(self.node)
+        address = state.joined[state.members[0]]
+        host, _, port = address.rpartition(":")
+        if address == offered:
+            store: Any = self._server
+        else:
+            self._server = None  # another agent hosts this round's store
+            store = TCPStore(host, int(port), is_master=False,
+                             timeout=timedelta(seconds=self.conf["store_timeout"]))
+        self._running, self._running_revision = state, revision
+        self.last_change = ""
+        os.environ[GANG_ENV] = json.dumps({
+            "endpoints": self.etcd.spec, "prefix": self.prefix, "round": state.number,
+            "revision": revision, "node": self.node, "members": state.members})
+        log.info("[%s] round %d: rank %d of %d nodes, store %s", self.node, state.number,
+                 rank, len(state.members), address)
+        return RendezvousInfo(PrefixStore(f"/round-{state.number}", store), rank, len(state.members),
+                              RendezvousStoreInfo(host, int(port)))
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _alive(self, kvs: dict[str, KeyValue]) -> list[str]:
+        nodes = self.prefix + "nodes/"
+        return [key[len(nodes):] for key in kvs if key.startswith(nodes)]
+
+    def _register(self) -> None:
+        """(Re)join etcd: a fresh lease, and our node key attached to it."""
+        if self._keeper is not None:
+            self._keeper.close(revoke=False)
+        self._keeper = LeaseKeeper(self.etcd, int(self.conf["lease_ttl"]))
+        self.etcd.put(self.prefix + "nodes/" + self.node,
+                      json.dumps({"host": socket.gethostname(), "pid": os.getpid()}),
+                      lease=self._keeper.lease)
+
+    def _offer_store(self) -> str:
+        """Start the store this agent would host if it becomes rank 0 of the next round."""
+        addr = self._local_addr or self.etcd.local_address()
+        self._server = TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=self.conf["store_timeout"]))
+        return f"{addr}:{self._server.port}"
+
+
+def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
+    """Build the handler from torchrun's ``--rdzv-*`` flags (``--rdzv-conf`` holds timeouts)."""
+    if not params.endpoint:
+        raise ValueError("the etcd-v3 rendezvous needs --rdzv-endpoint=HOST:PORT of etcd")
+    timeouts = {key: params.config[key] for key in list(params.config)
+                if key not in ("local_addr", "timeout")}
+    etcd = Etcd(params.endpoint)
+    return EtcdV3RendezvousHandler(etcd, params.run_id, params.min_nodes, params.max_nodes,
+                                   local_addr=params.local_addr, **timeouts)
+
+
+def handler_entry_point() -> Any:
+    """``torchrun.handlers`` entry point: torch calls it and registers what it returns."""
+    return create_handler
