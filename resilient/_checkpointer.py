@@ -26,6 +26,7 @@ from ._transfer import copy_step, has_all_files
 from ._tree import flatten_state
 from ._uploader import Uploader
 from ._writer import BackgroundWriter, SaveHandle, SaveJob
+from .launch.gang import Gang
 
 __all__ = ["Checkpointer"]
 
@@ -152,6 +153,8 @@ class Checkpointer:
         # of one node share the disk, so they share those requests too.
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         self._read_pool = ThreadPoolExecutor(max_workers=max(2, 8 // local_ranks), thread_name_prefix="resilient-read")
+        # Under the etcd-v3 launcher, commits are fenced by the gang's round (see launch.gang).
+        self._gang = Gang.from_env()
         self._writer = BackgroundWriter(
             self._tier,
             self._coord,
@@ -159,6 +162,7 @@ class Checkpointer:
             chunk_bytes=chunk_bytes,
             commit_timeout=self.commit_timeout,
             after_commit=self._after_commit,
+            authorize=self._gang.authorize_commit if self._gang is not None else None,
         )
         self._retention_lock = threading.Lock()
         self._local_catalog = Catalog(self._local_storage)

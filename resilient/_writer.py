@@ -148,8 +148,10 @@ class BackgroundWriter:
         chunk_bytes: int,
         commit_timeout: float,
         after_commit: Callable[[int], None],
+        authorize: Callable[[int], None] | None = None,
     ) -> None:
         self.tier = tier
+        self.authorize = authorize  # raises when this process may no longer commit (fenced)
         self.coord = coord
         self.codec = codec
         self.chunk_bytes = chunk_bytes
@@ -248,6 +250,8 @@ class BackgroundWriter:
         try:
             raws = self._collect(job, [f"{seq}/report/{r}" for r in range(coord.world_size)], "every rank's files")
             manifest = assemble_manifest(job.step, [json.loads(r) for r in raws], self.codec)
+            if self.authorize is not None:
+                self.authorize(job.step)
             self.tier.commit(pending, job.step, encode_manifest(manifest))
         except CommitError as exc:
             failures = exc.failures

@@ -1,4 +1,5 @@
 import logging
+import os
 
 import pytest
 
@@ -32,3 +33,23 @@ def s3_server():
     fs.mkdir("ckpt-tests")
     yield {"endpoint": endpoint, "options": options, "bucket": "ckpt-tests"}
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """A real etcd (v3 API) on 127.0.0.1 for the whole session."""
+    from .services import EtcdServer
+
+    server = EtcdServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def cluster(tmp_path, etcd_server, request):
+    """Simulated nodes (one resilient-run agent each) for one run id; all killed afterwards."""
+    from .nodes import Cluster
+
+    c = Cluster(str(tmp_path), etcd_server.endpoint, run_id=f"{request.node.name}-{os.getpid()}")
+    yield c
+    c.close()

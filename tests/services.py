@@ -37,6 +37,7 @@ class EtcdServer:
 
     def __init__(self, data_dir: str | None = None) -> None:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="resilient-etcd-")
+        os.makedirs(self.data_dir, exist_ok=True)
         self.port = free_port()
         self.peer_port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"

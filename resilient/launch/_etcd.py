@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -129,8 +130,6 @@ class Etcd:
 
     def local_address(self) -> str:
         """The address of this machine's interface that routes to etcd (what peers can reach)."""
-        import socket
-
         _, host, port = self._endpoints[self._current]
         with socket.create_connection((host, port), timeout=self.timeout) as sock:
             return sock.getsockname()[0]
@@ -288,13 +287,19 @@ class PrefixMirror:
         return self._synced.wait(timeout)
 
     def resync(self) -> None:
-        """Drop the current stream (it may be stuck on a dead connection) and list again."""
+        """Break the current stream (it may sit on a dead connection); the loop lists again.
+
+        The stream's socket is shut down rather than the response closed: closing from
+        another thread blocks on the lock the reading thread holds.
+        """
         response = self._response
-        if response is not None:
-            try:
-                response.close()
-            except Exception:  # noqa: BLE001 - closing a broken stream may fail in many ways
-                pass
+        if response is None:
+            return
+        try:
+            with socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError, ValueError):  # already closed or not a socket any more
+            pass
 
     def _replace(self, kvs: dict[str, KeyValue]) -> None:
         with self._cond:

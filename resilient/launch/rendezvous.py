@@ -37,17 +37,17 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStateError,
     RendezvousTimeoutError,
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from ._etcd import Etcd, KeyValue, LeaseKeeper, PrefixMirror, same_revision
+from .gang import GANG_ENV
 
 log = logging.getLogger(__name__)
 
 BACKEND = "etcd-v3"
-#: Environment variable through which workers learn their round (see ``resilient.launch.gang``).
-GANG_ENV = "RESILIENT_GANG"
 
 #: ``--rdzv-conf`` keys and their defaults (seconds).
 DEFAULTS: dict[str, float] = {
@@ -75,9 +75,16 @@ class Round:
 
     @classmethod
     def decode(cls, kv: KeyValue) -> "Round":
-        data = kv.json()
-        return cls(int(data["number"]), str(data["phase"]), dict(data.get("joined", {})),
-                   list(data.get("members", [])), list(data.get("previous", [])))
+        try:
+            data = kv.json()
+            state = cls(int(data["number"]), str(data["phase"]), dict(data.get("joined", {})),
+                        list(data.get("members", [])), list(data.get("previous", [])))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RendezvousStateError(f"etcd key {kv.key!r} does not hold a rendezvous round "
+                                       f"({type(exc).__name__}: {exc}); was it written by another tool?") from None
+        if state.phase not in ("joining", "running"):
+            raise RendezvousStateError(f"etcd key {kv.key!r}: unknown round phase {state.phase!r}")
+        return state
 
 
 def assign_ranks(joined: list[str], previous: list[str], size: int) -> list[str]:
@@ -285,7 +292,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.last_change = ""
         os.environ[GANG_ENV] = json.dumps({
             "endpoints": self.etcd.spec, "prefix": self.prefix, "round": state.number,
-            "revision": revision, "node": self.node, "members": state.members})
+            "revision": revision, "node": self.node, "members": state.members,
+            "lease_ttl": self.conf["lease_ttl"]})
         log.info("[%s] round %d: rank %d of %d nodes, store %s", self.node, state.number,
                  rank, len(state.members), address)
         return RendezvousInfo(PrefixStore(f"/round-{state.number}", store), rank, len(state.members),

@@ -1,0 +1,136 @@
+"""Simulated nodes for launcher tests: one ``resilient-run`` agent per node, real signals.
+
+Each node is an agent process in a session of its own (so a "node kill" is a SIGKILL of
+the agent, exactly what a lost machine looks like to the others) with its own local tier
+(``NODE_ROOT``). Workers run ``tests/elastic_train.py`` and append JSON lines to one
+shared event file, from which the tests read who trained when, at which world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .launch import REPO
+
+TRAIN = os.path.join(REPO, "tests", "elastic_train.py")
+
+
+@dataclass
+class Node:
+    name: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def signal_all(self, sig: int, worker_pids: list[int]) -> None:
+        """Signal the agent and the given workers: SIGSTOP on all of them is a frozen node."""
+        for pid in [self.proc.pid, *worker_pids]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"node {self.name} did not finish within {timeout} s:\n{self.log()[-4000:]}")
+
+
+@dataclass
+class Cluster:
+    """Agents sharing one etcd endpoint and one event file, for one run id."""
+
+    tmp: str
+    endpoint: str
+    run_id: str
+    nnodes: str = "1:2"
+    steps: int = 200
+    every: int = 5
+    step_time: float = 0.05
+    launcher: list[str] = field(default_factory=lambda: [sys.executable, "-m", "resilient.launch.run"])
+    rdzv_conf: str = "lease_ttl=3,last_call_timeout=5"
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def events_path(self) -> str:
+        return os.path.join(self.tmp, "events.jsonl")
+
+    @property
+    def remote(self) -> str:
+        return "file://" + os.path.join(self.tmp, "remote")
+
+    def start(self, name: str, *, extra: list[str] | None = None, script_args: list[str] | None = None) -> Node:
+        log_path = os.path.join(self.tmp, f"{name}.log")
+        env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": os.path.join(self.tmp, name),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESILIENT_COMMIT_TIMEOUT": "20"}
+        cmd = [*self.launcher, f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+               "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+               f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=3", "--monitor-interval=0.1",
+               *(extra or []), TRAIN, "--events", self.events_path, "--remote", self.remote,
+               "--steps", str(self.steps), "--every", str(self.every), "--step-time", str(self.step_time),
+               *(script_args or [])]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        node = Node(name, proc, log_path)
+        self.nodes.append(node)
+        return node
+
+    def events(self) -> list[dict]:
+        try:
+            with open(self.events_path) as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        """The first event matching ``predicate``; fails with every node's log if none comes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in self.events():
+                if predicate(event):
+                    return event
+            time.sleep(0.1)
+        logs = "\n".join(f"--- {n.name} (exit {n.proc.poll()}):\n{n.log()[-3000:]}" for n in self.nodes)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+
+    def workers_of(self, name: str) -> list[int]:
+        return sorted({e["pid"] for e in self.events() if e["node"] == name})
+
+    def close(self) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                try:
+                    os.killpg(node.proc.pid, signal.SIGCONT)
+                    node.kill()
+                except ProcessLookupError:
+                    pass
+                node.proc.wait()
+        for event in self.events():  # workers are in sessions of their own
+            try:
+                os.kill(event["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+        return f.read().split(")")[-1].split()[0] != "Z"

@@ -1,0 +1,117 @@
+"""resilient-run with the etcd-v3 rendezvous: two or three agents on one machine stand for
+nodes; a real etcd; real SIGKILL / SIGSTOP. Each test reads the workers' event file to
+see who trained, when, and at which world size."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .nodes import alive
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def first_steps(cluster, after: float) -> list[dict]:
+    return [e for e in cluster.events() if e["event"] == "start" and e["t"] > after]
+
+
+def test_lone_node_starts_at_once_and_finishes(cluster):
+    cluster.steps = 20
+    t0 = time.time()
+    node = cluster.start("a", script_args=["--log", "kept-for-the-script"])
+    assert node.wait(90) == 0, node.log()
+    start = cluster.wait_for(lambda e: e["event"] == "start", 1, "the start")
+    assert start["world"] == 1
+    assert start["t"] - t0 < 15, "a lone agent with --nnodes=1:2 must not wait for a last call"
+    assert start["log"] == "kept-for-the-script"  # options after the script belong to the script
+    assert cluster.wait_for(lambda e: e["event"] == "done", 1, "done")
+
+
+def test_killed_node_survivor_resumes_from_checkpoint(cluster):
+    a, b = cluster.start("a"), cluster.start("b")
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
+    orphans = cluster.workers_of("b")
+    killed_at = time.time()
+    b.kill()  # the agent only: its workers live in sessions of their own
+    resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > killed_at, 30, "a resumed start")
+    assert resumed["world"] == 1 and resumed["node"] == "a"
+    assert resumed["restored"] >= 25, "the survivor must resume from the last consistent step, not from 0"
+    assert resumed["t"] - killed_at < 10
+    time.sleep(0.5)
+    assert not [p for p in orphans if alive(p)], "the dead agent's workers must not outlive it"
+    assert a.wait(90) == 0, a.log()
+
+
+def test_frozen_node_is_detected_by_lease_expiry(cluster):
+    a, b = cluster.start("a"), cluster.start("b")
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
+    frozen_at = time.time()
+    b.signal_all(signal.SIGSTOP, cluster.workers_of("b"))  # no TCP reset: peers just block
+    resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > frozen_at, 30, "a resumed start")
+    assert resumed["world"] == 1 and resumed["node"] == "a" and resumed["restored"] >= 25
+    assert resumed["t"] - frozen_at < 10
+    cluster.wait_for(lambda e: e["event"] == "step" and e["t"] > resumed["t"] and e["step"] >= resumed["restored"] + 10,
+                     30, "steps after the resume")
+    b.kill()
+    assert a.wait(90) == 0, a.log()
+
+
+def test_spare_takes_the_lost_nodes_place(cluster):
+    a, b = cluster.start("a"), cluster.start("b")
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 20 and e["world"] == 2, 60, "training at world 2")
+    ranks = {e["node"]: e["rank"] for e in cluster.events() if e["event"] == "start"}
+    spare = cluster.start("c")
+    time.sleep(4)  # the spare registers and waits; the gang must not re-form for it
+    assert not [e for e in cluster.events() if e["event"] == "start" and e["node"] == "c"]
+    assert len([e for e in cluster.events() if e["event"] == "start"]) == 2
+    killed_at = time.time()
+    b.kill()
+    joined = cluster.wait_for(lambda e: e["event"] == "start" and e["node"] == "c", 30, "the spare's start")
+    assert joined["world"] == 2, "a spare keeps the world size"
+    assert joined["rank"] == ranks["b"], "the spare takes the lost node's ranks"
+    survivor = cluster.wait_for(lambda e: e["event"] == "start" and e["node"] == "a" and e["t"] > killed_at, 5, "a")
+    assert survivor["rank"] == ranks["a"], "a survivor keeps its ranks (its local files)"
+    assert a.wait(90) == 0 and spare.wait(30) == 0
+
+
+def test_late_node_is_taken_in_at_the_next_round(cluster):
+    a = cluster.start("a")
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 20, 60, "a training alone")
+    joined_at = time.time()
+    b = cluster.start("b")
+    start = cluster.wait_for(lambda e: e["event"] == "start" and e["node"] == "b", 40, "the late node's start")
+    assert start["world"] == 2 and start["restored"] >= 15
+    assert a.wait(90) == 0 and b.wait(30) == 0
+    assert start["t"] - joined_at < 15
+
+
+def test_etcd_restart_does_not_stop_training(tmp_path):
+    from .nodes import Cluster
+    from .services import EtcdServer
+
+    server = EtcdServer(str(tmp_path / "etcd")).start()
+    cluster = Cluster(str(tmp_path), server.endpoint, run_id="etcd-restart", steps=240)
+    try:
+        a, b = cluster.start("a"), cluster.start("b")
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 20 and e["world"] == 2, 60, "world 2")
+        server.restart(down_for=1.0)
+        assert a.wait(100) == 0 and b.wait(30) == 0, a.log()
+        starts = [e for e in cluster.events() if e["event"] == "start"]
+        assert len(starts) == 2, f"workers were restarted: {starts}"
+    finally:
+        cluster.close()
+        server.close()
+
+
+def test_plain_torchrun_finds_the_backend(cluster):
+    cluster.launcher = [sys.executable, "-m", "torch.distributed.run"]
+    cluster.steps = 10
+    node = cluster.start("a")
+    assert node.wait(90) == 0, node.log()
+    assert cluster.wait_for(lambda e: e["event"] == "done", 1, "done")["world"] == 1
