@@ -49,6 +49,9 @@ class Uploader:
         self.last_error: str | None = None
         self._queue: list[int] = []
         self._done: set[int] = set()
+        # steps found on the local tier at start, written by an earlier gang: other nodes'
+        # files may never come (that node is gone), so they are not waited for
+        self._inherited: set[int] = set()
         self._cond = threading.Condition()
         self._closed = False
         self._caught_up = False
@@ -122,6 +125,7 @@ class Uploader:
             for step in self.local.steps():
                 if step not in committed_remote and step not in self._queue:
                     self._queue.append(step)
+                    self._inherited.add(step)
             self._queue.sort()
             self._caught_up = True
             self._cond.notify_all()
@@ -139,25 +143,55 @@ class Uploader:
                     return
                 step = self._queue[0]
             started = time.perf_counter()
-            if not self.local.is_committed(step):
-                ok = True  # deleted locally before it could be uploaded (only without a remote)
-            else:
-                ok = self._retrying(f"upload of step {step} to {self.remote.storage.url}",
-                                    lambda: self._upload(step))
-            if not ok:
-                return
-            with self._cond:
-                self._queue.remove(step)
-                self._done.add(step)
-                self._cond.notify_all()
-            self.on_uploaded(step, time.perf_counter() - started)
-            if self.commits:
+            outcome = self._process(step)
+            if outcome is None:
+                return  # closed
+            self._finish(step, time.perf_counter() - started if outcome else None)
+            if outcome and self.commits:
                 self._retrying("remote retention", self._retention)
 
+    def _process(self, step: int) -> bool | None:
+        """Upload (and, on rank 0, commit) one step: True done, False given up, None closed."""
+        if not self.local.is_committed(step):
+            return True  # deleted locally before it could be uploaded (only without a remote)
+        where = f"upload of step {step} to {self.remote.storage.url}"
+        if step not in self._inherited:
+            return True if self._retrying(where, lambda: self._upload(step)) else None
+        if not self._retrying(where, lambda: self._upload_own(step)):
+            return None
+        if not self.commits:
+            return True
+        complete: list[bool] = []
+        if not self._retrying(f"remote commit of step {step}", lambda: complete.append(self._complete_remotely(step))):
+            return None
+        return complete[-1]
+
+    def _finish(self, step: int, seconds: float | None) -> None:
+        """Take ``step`` off the queue; ``seconds`` None: given up (never committed remotely),
+        which, like an upload, settles it: local retention may then delete it."""
+        with self._cond:
+            self._queue.remove(step)
+            self._done.add(step)
+            self._cond.notify_all()
+        if seconds is not None:
+            self.on_uploaded(step, seconds)
+
+    def _upload_own(self, step: int) -> None:
+        self.uploaded_bytes += copy_step(self.local, self.remote.storage, step, skip_present=True,
+                                         only_present=True, commit=False)
+
+    def _complete_remotely(self, step: int) -> bool:
+        """Commit an inherited step remotely if every node's files are there; else give it up."""
+        if has_all_files(self.remote, self.local.manifest(step)):
+            commit_step(self.local, self.remote.storage, step)
+            return True
+        log.warning("resilient: step %d, written by an earlier gang, cannot be completed on %s: "
+                    "other nodes' files are missing there (node lost?); leaving it uncommitted",
+                    step, self.remote.storage.url)
+        return False
+
     def _upload(self, step: int) -> None:
-        moved = copy_step(self.local, self.remote.storage, step, skip_present=True, only_present=True,
-                          commit=False)
-        self.uploaded_bytes += moved
+        self._upload_own(step)
         if not self.commits:
             return
         manifest = self.local.manifest(step)

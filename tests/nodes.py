@@ -73,13 +73,14 @@ class Cluster:
     def remote(self) -> str:
         return "file://" + os.path.join(self.tmp, "remote")
 
-    def start(self, name: str, *, extra: list[str] | None = None, script_args: list[str] | None = None) -> Node:
+    def start(self, name: str, *, extra: list[str] | None = None, script_args: list[str] | None = None,
+              endpoint: str | None = None, rdzv_conf: str | None = None) -> Node:
         log_path = os.path.join(self.tmp, f"{name}.log")
         env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": os.path.join(self.tmp, name),
                "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESILIENT_COMMIT_TIMEOUT": "20"}
         cmd = [*self.launcher, f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-               "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-               f"--rdzv-conf={self.rdzv_conf}", "--max-restarts=3", "--monitor-interval=0.1",
+               "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint or self.endpoint}",
+               f"--rdzv-id={self.run_id}", f"--rdzv-conf={rdzv_conf or self.rdzv_conf}", "--max-restarts=3", "--monitor-interval=0.1",
                *(extra or []), TRAIN, "--events", self.events_path, "--remote", self.remote,
                "--steps", str(self.steps), "--every", str(self.every), "--step-time", str(self.step_time),
                *(script_args or [])]

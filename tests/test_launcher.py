@@ -115,3 +115,27 @@ def test_plain_torchrun_finds_the_backend(cluster):
     node = cluster.start("a")
     assert node.wait(90) == 0, node.log()
     assert cluster.wait_for(lambda e: e["event"] == "done", 1, "done")["world"] == 1
+
+
+def test_partitioned_node_is_fenced(cluster):
+    from resilient.launch._etcd import Etcd
+
+    from .faults import TcpProxy
+
+    host, port = cluster.endpoint.rsplit(":", 1)
+    link = TcpProxy(host, int(port))  # node b reaches etcd only through this link
+    a = cluster.start("a")
+    b = cluster.start("b", endpoint=link.endpoint, rdzv_conf="lease_ttl=3,last_call_timeout=5,join_timeout=8")
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
+    b_workers = cluster.workers_of("b")
+    cut_at = time.time()
+    link.cut()  # b still reaches its peers, but not etcd
+    resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > cut_at, 30, "a resumed start")
+    assert resumed["node"] == "a" and resumed["world"] == 1 and resumed["t"] - cut_at < 10
+    assert b.wait(60) != 0, "a node that cannot reach etcd must give up, not train on alone"
+    assert "fenced" in b.log()
+    assert not [p for p in b_workers if alive(p)], "the fenced node's workers must be stopped"
+    assert a.wait(90) == 0, a.log()
+    commits, _ = Etcd(cluster.endpoint).get_prefix(f"/resilient/{cluster.run_id}/commits/")
+    late = [kv.json() for kv in commits.values() if f"-{b.proc.pid}-" in kv.json()["node"] and kv.json()["at"] > cut_at]
+    assert not late, f"the fenced node committed after the cut: {late}"

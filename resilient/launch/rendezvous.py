@@ -206,25 +206,27 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self.conf["join_timeout"]
-        self._register()
-        offered = self._offer_store()
+        offered: str | None = None
         min_reached_at: dict[int, float] = {}
         while True:
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
                     f"no gang of at least {self.min_nodes} node(s) formed for run {self.run_id!r} within "
                     f"join_timeout={self.conf['join_timeout']:.0f} s (etcd {self.etcd.spec})")
-            if self._keeper is None or self._keeper.lost.is_set():
-                self._register()
             version = self._mirror.version
-            kvs = self._mirror.snapshot()
-            if self._closed_key in kvs:
-                raise RendezvousClosedError(f"run {self.run_id!r} is closed (finished or abandoned)")
             try:
+                if self._keeper is None or self._keeper.lost.is_set():
+                    self._register()
+                if offered is None:
+                    offered = self._offer_store()
+                kvs = self._mirror.snapshot()
+                if self._closed_key in kvs:
+                    raise RendezvousClosedError(f"run {self.run_id!r} is closed (finished or abandoned)")
                 info = self._advance(kvs, offered, min_reached_at)
-            except OSError as exc:   # etcd unreachable for now: wait and read again
+            except OSError as exc:   # etcd unreachable for now: wait and try again
                 log.warning("rendezvous for %s: %s; retrying", self.run_id, exc)
-                info = None
+                time.sleep(0.5)
+                continue
             if info is not None:
                 return info
             self._mirror.wait_change(version, timeout=0.5)

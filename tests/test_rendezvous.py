@@ -1,0 +1,163 @@
+"""The etcd-v3 rendezvous handler and gang fencing, in process, against a real etcd."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
+
+from resilient import Checkpointer, CommitError
+from resilient.launch._etcd import Etcd, parse_endpoints, same_revision
+from resilient.launch.gang import GANG_ENV, FencedError, Gang
+from resilient.launch.rendezvous import EtcdV3RendezvousHandler, Round, assign_ranks, create_handler
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def handler(etcd_server, run_id: str, min_nodes: int = 1, max_nodes: int = 2, **conf):
+    conf = {"lease_ttl": 2, "join_timeout": 20, "last_call_timeout": 3, **conf}
+    return EtcdV3RendezvousHandler(Etcd(etcd_server.endpoint), run_id, min_nodes, max_nodes,
+                                   local_addr="127.0.0.1", **conf)
+
+
+def rendezvous_all(handlers):
+    results: dict[int, object] = {}
+
+    def join(i):
+        results[i] = handlers[i].next_rendezvous()
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return [results[i] for i in range(len(handlers))]
+
+
+@pytest.fixture
+def run_id(request):
+    return f"{request.node.name}-{time.time_ns()}"
+
+
+def test_two_nodes_form_one_gang_sharing_a_store(etcd_server, run_id):
+    a, b = handler(etcd_server, run_id, 2, 2), handler(etcd_server, run_id, 2, 2)
+    try:
+        ia, ib = rendezvous_all([a, b])
+        assert {ia.rank, ib.rank} == {0, 1} and ia.world_size == ib.world_size == 2
+        assert ia.bootstrap_store_info.master_port == ib.bootstrap_store_info.master_port
+        ia.store.set("hello", b"from a")
+        assert ib.store.get("hello") == b"from a"
+        assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
+        gang = json.loads(os.environ[GANG_ENV])
+        assert gang["prefix"] == f"/resilient/{run_id}/" and gang["round"] == 1
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert a.is_closed()
+
+
+def test_lost_lease_is_seen_by_the_survivor_within_the_ttl(etcd_server, run_id):
+    a, b = handler(etcd_server, run_id, 1, 2), handler(etcd_server, run_id, 1, 2)
+    try:
+        rendezvous_all([a, b])
+        b._keeper.close(revoke=False)  # b stops refreshing, as a frozen node does
+        t0 = time.monotonic()
+        while a.num_nodes_waiting() == 0:
+            assert time.monotonic() - t0 < 2 + 2, "lease expiry not seen within TTL + margin"
+            time.sleep(0.05)
+        assert "lost" in a.last_change and b.node in a.last_change
+        t1 = time.monotonic()
+        info = a.next_rendezvous()  # the dead node is not waited for (no last call)
+        assert info.world_size == 1 and info.rank == 0
+        assert time.monotonic() - t1 < 2
+    finally:
+        a.shutdown()
+
+
+def test_round_state_is_compare_and_set(etcd_server, run_id):
+    etcd = Etcd(etcd_server.endpoint)
+    key = f"/resilient/{run_id}/round"
+    first = Round(1, "joining", {"n1": "127.0.0.1:1"})
+    assert etcd.transact([same_revision(key, 0)], [(key, first.encode(), 0)])
+    token = etcd.get(key).mod_revision
+    assert not etcd.transact([same_revision(key, 0)], [(key, first.encode(), 0)]), "create must not overwrite"
+    second = Round(1, "joining", {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"})
+    assert etcd.transact([same_revision(key, token)], [(key, second.encode(), 0)])
+    assert not etcd.transact([same_revision(key, token)], [(key, first.encode(), 0)]), "a stale token must lose"
+    assert Round.decode(etcd.get(key)) == second
+
+
+@pytest.mark.parametrize("garbage", [b"\x80not json", b'{"number": 1}', b'{"number": 1, "phase": "dancing"}'])
+def test_corrupt_state_raises_rendezvous_state_error(etcd_server, run_id, garbage):
+    Etcd(etcd_server.endpoint).put(f"/resilient/{run_id}/round", garbage)
+    h = handler(etcd_server, run_id)
+    try:
+        with pytest.raises(RendezvousStateError, match="round"):
+            h.next_rendezvous()
+    finally:
+        h.shutdown()
+
+
+def test_create_handler_reads_rdzv_conf_and_rejects_unknown_keys(etcd_server, run_id):
+    params = RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 3, lease_ttl="4", join_timeout="30")
+    h = create_handler(params)
+    try:
+        assert h.conf["lease_ttl"] == 4 and h.conf["join_timeout"] == 30 and h.max_nodes == 3
+    finally:
+        h.shutdown()
+    with pytest.raises(ValueError, match="lease_tll"):
+        create_handler(RendezvousParameters("etcd-v3", etcd_server.endpoint, run_id, 1, 2, lease_tll="4"))
+    with pytest.raises(ValueError, match="rdzv-endpoint"):
+        create_handler(RendezvousParameters("etcd-v3", "", run_id, 1, 2))
+    with pytest.raises(ValueError, match="bad etcd endpoint"):
+        parse_endpoints("127.0.0.1:notaport")
+    assert parse_endpoints("h1:1,http://h2:2,h3") == [("http", "h1", 1), ("http", "h2", 2), ("http", "h3", 2379)]
+
+
+def test_ranks_are_kept_across_rounds():
+    assert assign_ranks(["c", "a"], ["a", "b"], 2) == ["a", "c"]  # spare c takes lost b's place
+    assert assign_ranks(["b"], ["a", "b"], 1) == ["b"]           # shrinking: b becomes rank 0
+    assert assign_ranks(["b", "a", "c"], ["a", "b"], 3) == ["a", "b", "c"]
+
+
+def test_commits_are_fenced_by_round_and_lease(etcd_server, run_id, tmp_path, monkeypatch):
+    a, b = handler(etcd_server, run_id, 1, 2), handler(etcd_server, run_id, 1, 2)
+    try:
+        rendezvous_all([a])
+        stale_env = os.environ[GANG_ENV]
+        gang = Gang.from_env()
+        gang.authorize_commit(10)
+        assert gang.committed_steps() == [10]
+
+        # b arrives: a new round opens, a's round is over, its workers may not commit
+        monkeypatch.setenv(GANG_ENV, stale_env)
+        def join_b():
+            try:
+                b.next_rendezvous()
+            except Exception:  # closed at the end of the test, while still waiting
+                pass
+
+        threading.Thread(target=join_b, daemon=True).start()
+        t0 = time.monotonic()
+        while a.num_nodes_waiting() == 0 or "round 2 opened" not in a.last_change:
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.05)
+        with pytest.raises(FencedError, match="round 1"):
+            gang.authorize_commit(11)
+
+        # a whole Checkpointer in the stale round: the save fails, nothing is committed
+        root = str(tmp_path / "ckpt")
+        with Checkpointer(root, state={"w": torch.ones(4)}, commit_timeout=10) as ckpt:
+            ckpt.save(12)
+            with pytest.raises(CommitError, match="fenced"):
+                ckpt.wait()
+            assert ckpt.latest() is None
+        assert gang.committed_steps() == [10]
+    finally:
+        a.shutdown()
+        b.shutdown()

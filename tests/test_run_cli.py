@@ -1,0 +1,66 @@
+"""resilient-run's command line: torchrun's parser, with the script's options left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from resilient.launch.run import parse
+
+from .launch import REPO
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_torchrun_flags_in_both_spellings_and_script_options_untouched():
+    args = parse(["--nnodes=1:3", "--nproc_per_node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv_endpoint=h:2379", "--max-restarts=2", "train.py", "--log", "x", "--nnodes", "7"])
+    assert args.nnodes == "1:3" and args.nproc_per_node == "2" and args.rdzv_backend == "etcd-v3"
+    assert args.rdzv_endpoint == "h:2379" and args.max_restarts == 2
+    assert args.training_script == "train.py"
+    assert args.training_script_args == ["--log", "x", "--nnodes", "7"]
+
+
+def test_module_mode_no_python_and_double_dash():
+    args = parse(["--standalone", "-m", "pkg.train", "--lr", "3"])
+    assert args.module and args.standalone and args.training_script == "pkg.train"
+    assert args.training_script_args == ["--lr", "3"]
+    args = parse(["--no-python", "--", "echo", "--max-restarts=9"])
+    assert args.no_python and args.training_script == "echo" and args.training_script_args == ["--max-restarts=9"]
+
+
+def test_pet_environment_variables(monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    monkeypatch.setenv("PET_NNODES", "2:4")
+    args = parse(["train.py"])
+    assert args.nproc_per_node == "3" and args.nnodes == "2:4"
+
+
+def test_unknown_launcher_flag_before_the_script_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--bogus-flag", "train.py"])
+    assert "--bogus-flag" in capsys.readouterr().err
+
+
+def test_standalone_two_workers_get_torchruns_environment(tmp_path):
+    script = tmp_path / "show_env.py"
+    out = tmp_path / "env"
+    script.write_text(
+        "import json, os, sys\n"
+        "keys = ['RANK','LOCAL_RANK','WORLD_SIZE','GROUP_RANK','LOCAL_WORLD_SIZE','MASTER_ADDR','MASTER_PORT',"
+        "'TORCHELASTIC_RUN_ID','TORCHELASTIC_RESTART_COUNT']\n"
+        "open(sys.argv[2] + os.environ['RANK'], 'w').write(json.dumps({k: os.environ.get(k) for k in keys} | "
+        "{'argv': sys.argv[1:]}))\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "resilient.launch.run", "--standalone", "--nproc-per-node=2", str(script),
+         "--log", str(out)], cwd=REPO, capture_output=True, text=True, timeout=100,
+        env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"env{r}").read_text()) for r in (0, 1)]
+    assert [s["RANK"] for s in seen] == ["0", "1"] and {s["WORLD_SIZE"] for s in seen} == {"2"}
+    assert all(s[k] is not None for s in seen for k in s), seen
+    assert seen[0]["argv"] == ["--log", str(out)]
