@@ -50,9 +50,19 @@ class Node:
             raise AssertionError(f"node {self.name} did not finish within {timeout} s:\n{self.log()[-4000:]}")
 
 
+def etcd_v3_flags(endpoint: str, run_id: str, conf: str | None = "lease_ttl=3,last_call_timeout=5") -> list[str]:
+    """Flags for the etcd-v3 backend; ``conf`` None: the backend's defaults."""
+    flags = ["--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+    return flags + ([f"--rdzv-conf={conf}"] if conf else [])
+
+
+def c10d_flags(endpoint: str, run_id: str) -> list[str]:
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+
+
 @dataclass
 class Cluster:
-    """Agents sharing one etcd endpoint and one event file, for one run id."""
+    """Agents sharing one rendezvous and one event file, for one run id."""
 
     tmp: str
     endpoint: str
@@ -62,7 +72,8 @@ class Cluster:
     every: int = 5
     step_time: float = 0.05
     launcher: list[str] = field(default_factory=lambda: [sys.executable, "-m", "resilient.launch.run"])
-    rdzv_conf: str = "lease_ttl=3,last_call_timeout=5"
+    rdzv: list[str] | None = None  # rendezvous flags (default: etcd-v3 at ``endpoint``)
+    max_restarts: int = 3
     nodes: list[Node] = field(default_factory=list)
 
     @property
@@ -74,13 +85,13 @@ class Cluster:
         return "file://" + os.path.join(self.tmp, "remote")
 
     def start(self, name: str, *, extra: list[str] | None = None, script_args: list[str] | None = None,
-              endpoint: str | None = None, rdzv_conf: str | None = None) -> Node:
+              rdzv: list[str] | None = None) -> Node:
         log_path = os.path.join(self.tmp, f"{name}.log")
         env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": os.path.join(self.tmp, name),
                "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESILIENT_COMMIT_TIMEOUT": "20"}
-        cmd = [*self.launcher, f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-               "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={endpoint or self.endpoint}",
-               f"--rdzv-id={self.run_id}", f"--rdzv-conf={rdzv_conf or self.rdzv_conf}", "--max-restarts=3", "--monitor-interval=0.1",
+        rdzv = rdzv or self.rdzv or etcd_v3_flags(self.endpoint, self.run_id)
+        cmd = [*self.launcher, f"--nnodes={self.nnodes}", "--nproc-per-node=1", *rdzv,
+               f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1",
                *(extra or []), TRAIN, "--events", self.events_path, "--remote", self.remote,
                "--steps", str(self.steps), "--every", str(self.every), "--step-time", str(self.step_time),
                *(script_args or [])]

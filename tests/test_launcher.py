@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from .nodes import alive
+from .nodes import alive, etcd_v3_flags
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -125,7 +125,7 @@ def test_partitioned_node_is_fenced(cluster):
     host, port = cluster.endpoint.rsplit(":", 1)
     link = TcpProxy(host, int(port))  # node b reaches etcd only through this link
     a = cluster.start("a")
-    b = cluster.start("b", endpoint=link.endpoint, rdzv_conf="lease_ttl=3,last_call_timeout=5,join_timeout=8")
+    b = cluster.start("b", rdzv=etcd_v3_flags(link.endpoint, cluster.run_id, "lease_ttl=3,last_call_timeout=5,join_timeout=8"))
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
     b_workers = cluster.workers_of("b")
     cut_at = time.time()

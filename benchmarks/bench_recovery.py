@@ -1,0 +1,154 @@
+"""Recovery after faults: resilient-run + etcd-v3 against torchrun + c10d, in one run.
+
+Two (or three) agents on this machine stand for nodes; each runs the same small DDP
+script (``tests/elastic_train.py``: gloo, a checkpoint every 5 steps, 0.05 s per step).
+Faults, injected after training settles at world size 2:
+
+* ``worker``: SIGKILL one worker process (its agent lives);
+* ``node``:   SIGKILL a node: its agent and its workers;
+* ``frozen``: SIGSTOP a node: agent and workers (no TCP reset; peers just block);
+* ``spare``:  SIGKILL a node while a third agent waits as a spare (``--nnodes=1:2``).
+
+Reported per launcher and scenario (median over repeats):
+
+* detection: fault → the surviving node's worker is stopped or fails (it is then known
+  that the gang must re-form);
+* resumed:   fault → the first training step completed after the fault;
+* lost:      steps trained before the fault that had to be redone;
+* world:     the world size training resumed at.
+
+Both launchers use their defaults except ``--max-restarts=3`` (torchrun's default of 0 ends
+the job at the first failure) and, for the spare scenario, a third agent. A run that does
+not resume within ``--give-up`` seconds is reported as such.
+
+    python benchmarks/bench_recovery.py [--repeats 2] [--scenarios worker,node,frozen,spare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.launch import free_port  # noqa: E402
+from tests.nodes import Cluster, c10d_flags, etcd_v3_flags  # noqa: E402
+from tests.services import EtcdServer  # noqa: E402
+
+LAUNCHERS = {
+    "resilient-run + etcd-v3": [sys.executable, "-m", "resilient.launch.run"],
+    "torchrun + c10d": [sys.executable, "-m", "torch.distributed.run"],
+}
+
+
+def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="bench-recovery-")
+    run_id = f"{scenario}-{time.time_ns()}"
+    if launcher.startswith("resilient"):
+        rdzv = etcd_v3_flags(etcd.endpoint, run_id, conf=None)  # the backend's defaults
+    else:
+        rdzv = c10d_flags(f"127.0.0.1:{free_port()}", run_id)
+    cluster = Cluster(tmp, etcd.endpoint, run_id, steps=100_000, rdzv=rdzv, launcher=LAUNCHERS[launcher])
+    try:
+        cluster.start("a")
+        time.sleep(1.0)  # "a" first: with c10d it hosts the store, and it is never the victim
+        victim = cluster.start("b")
+        if scenario == "spare":
+            cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2, 120, "world 2")
+            cluster.start("c")
+        cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= 40, 120,
+                         "training at world 2")
+        time.sleep(3 if scenario == "spare" else 0.5)  # the spare registers
+        survivor_workers = [psutil.Process(p) for p in cluster.workers_of("a") if psutil.pid_exists(p)]
+        last_before = max(e["step"] for e in cluster.events() if e["event"] == "step")
+        fault = time.time()
+        if scenario == "worker":
+            os.kill(cluster.workers_of("b")[-1], signal.SIGKILL)
+        elif scenario in ("node", "spare"):
+            victim.signal_all(signal.SIGKILL, cluster.workers_of("b"))
+        else:
+            victim.signal_all(signal.SIGSTOP, cluster.workers_of("b"))
+        detected = _wait_gone(survivor_workers, fault + give_up)
+        try:
+            first = cluster.wait_for(lambda e: e["event"] == "step" and e["t"] > fault and e["pid"] not in
+                                     {w.pid for w in survivor_workers}, max(1.0, fault + give_up - time.time()),
+                                     "a resumed step")
+            start = [e for e in cluster.events() if e["event"] == "start" and e["t"] > fault]
+            restored = min(e["restored"] for e in start) if start else None
+        except AssertionError:
+            first, restored = None, None
+        return {
+            "launcher": launcher, "scenario": scenario,
+            "detection_s": None if detected is None else detected - fault,
+            "resumed_s": None if first is None else first["t"] - fault,
+            "lost_steps": None if restored is None else last_before - restored,
+            "world": None if first is None else first["world"],
+        }
+    finally:
+        cluster.close()
+
+
+def _wait_gone(procs: list[psutil.Process], deadline: float) -> float | None:
+    """When the first surviving worker exits (stopped by its agent, or failed)."""
+    while time.time() < deadline:
+        for p in procs:
+            if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+                return time.time()
+        time.sleep(0.02)
+    return None
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if len(present) == len(values) and present else None
+
+
+def table(rows: list[dict[str, Any]], give_up: float) -> str:
+    def cell(v: float | None, fmt: str = "{:.1f} s") -> str:
+        return fmt.format(v) if v is not None else f"not within {give_up:.0f} s"
+
+    lines = ["| scenario | launcher | detection | fault → first step | steps redone | world after |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['launcher']} | {cell(r['detection_s'])} | {cell(r['resumed_s'])} | "
+                     f"{cell(r['lost_steps'], '{:.0f}')} | {cell(r['world'], '{:.0f}')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--scenarios", default="worker,node,frozen,spare")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS))
+    p.add_argument("--give-up", type=float, default=70.0, help="seconds after the fault (default: %(default)s)")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args()
+    etcd = EtcdServer().start()
+    rows = []
+    try:
+        for scenario in args.scenarios.split(","):
+            for launcher in args.launchers.split(","):
+                runs = [run_once(launcher, scenario, etcd, args.give_up) for _ in range(args.repeats)]
+                print(json.dumps(runs), file=sys.stderr, flush=True)
+                rows.append({"launcher": launcher, "scenario": scenario,
+                             **{k: _median([r[k] for r in runs]) for k in
+                                ("detection_s", "resumed_s", "lost_steps", "world")}})
+    finally:
+        etcd.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(table(rows, args.give_up))
+
+
+if __name__ == "__main__":
+    main()
