@@ -9,12 +9,12 @@ Faults, injected after training settles at world size 2:
 * ``frozen``: SIGSTOP a node: agent and workers (no TCP reset; peers just block);
 * ``spare``:  SIGKILL a node while a third agent waits as a spare (``--nnodes=1:2``).
 
-Reported per launcher and scenario (median over repeats):
+Reported per launcher and scenario (median over the runs that resumed):
 
 * detection: fault → the surviving node's worker is stopped or fails (it is then known
   that the gang must re-form);
 * resumed:   fault → the first training step completed after the fault;
-* lost:      steps trained before the fault that had to be redone;
+* redone:    steps the old gang completed that the new one had to train again;
 * world:     the world size training resumed at.
 
 Both launchers use their defaults except ``--max-restarts=3`` (torchrun's default of 0 ends
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.launch import free_port  # noqa: E402
 from tests.nodes import Cluster, c10d_flags, etcd_v3_flags  # noqa: E402
-from tests.services import EtcdServer  # noqa: E402
+from resilient.devservices import EtcdServer  # noqa: E402
 
 LAUNCHERS = {
     "resilient-run + etcd-v3": [sys.executable, "-m", "resilient.launch.run"],
@@ -69,7 +69,7 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
                          "training at world 2")
         time.sleep(3 if scenario == "spare" else 0.5)  # the spare registers
         survivor_workers = [psutil.Process(p) for p in cluster.workers_of("a") if psutil.pid_exists(p)]
-        last_before = max(e["step"] for e in cluster.events() if e["event"] == "step")
+        old_workers = set(cluster.workers_of("a") + cluster.workers_of("b") + cluster.workers_of("c"))
         fault = time.time()
         if scenario == "worker":
             os.kill(cluster.workers_of("b")[-1], signal.SIGKILL)
@@ -84,6 +84,8 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
                                      "a resumed step")
             start = [e for e in cluster.events() if e["event"] == "start" and e["t"] > fault]
             restored = min(e["restored"] for e in start) if start else None
+            # the furthest the old gang got, faults' last steps included
+            last_before = max(e["step"] for e in cluster.events() if e["event"] == "step" and e["pid"] in old_workers)
         except AssertionError:
             first, restored = None, None
         return {
@@ -107,19 +109,38 @@ def _wait_gone(procs: list[psutil.Process], deadline: float) -> float | None:
     return None
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if len(present) == len(values) and present else None
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (scenario, launcher): medians over the runs that resumed, and how many did."""
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        rows.setdefault((r["scenario"], r["launcher"]), []).append(r)
+    out = []
+    for (scenario, launcher), group in rows.items():
+        ok = [r for r in group if r["resumed_s"] is not None]
+        detected = [r["detection_s"] for r in group if r["detection_s"] is not None]
+        out.append({
+            "scenario": scenario, "launcher": launcher, "runs": len(group), "resumed_runs": len(ok),
+            "detection_s": statistics.median(detected) if len(detected) == len(group) else None,
+            "resumed_s": statistics.median(r["resumed_s"] for r in ok) if ok else None,
+            "lost_steps": statistics.median(r["lost_steps"] for r in ok) if ok else None,
+            "world": ok[0]["world"] if ok else None,
+        })
+    return out
 
 
-def table(rows: list[dict[str, Any]], give_up: float) -> str:
+def table(runs: list[dict[str, Any]], give_up: float) -> str:
     def cell(v: float | None, fmt: str = "{:.1f} s") -> str:
         return fmt.format(v) if v is not None else f"not within {give_up:.0f} s"
 
     lines = ["| scenario | launcher | detection | fault → first step | steps redone | world after |",
              "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['scenario']} | {r['launcher']} | {cell(r['detection_s'])} | {cell(r['resumed_s'])} | "
+    for r in summarize(runs):
+        resumed = cell(r["resumed_s"])
+        if 0 < r["resumed_runs"] < r["runs"]:
+            resumed += f" ({r['runs'] - r['resumed_runs']} of {r['runs']} runs never resumed)"
+        elif r["resumed_runs"] == 0:
+            resumed = f"never, in {r['runs']} of {r['runs']} runs (> {give_up:.0f} s)"
+        lines.append(f"| {r['scenario']} | {r['launcher']} | {cell(r['detection_s'])} | {resumed} | "
                      f"{cell(r['lost_steps'], '{:.0f}')} | {cell(r['world'], '{:.0f}')} |")
     return "\n".join(lines)
 
@@ -130,24 +151,27 @@ def main() -> None:
     p.add_argument("--scenarios", default="worker,node,frozen,spare")
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
     p.add_argument("--give-up", type=float, default=70.0, help="seconds after the fault (default: %(default)s)")
-    p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--json", default=None, help="also write every run here")
+    p.add_argument("--render", default=None, help="print the table of runs saved with --json, run nothing")
     args = p.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            print(table(json.load(f), args.give_up))
+        return
     etcd = EtcdServer().start()
-    rows = []
+    runs: list[dict[str, Any]] = []
     try:
         for scenario in args.scenarios.split(","):
             for launcher in args.launchers.split(","):
-                runs = [run_once(launcher, scenario, etcd, args.give_up) for _ in range(args.repeats)]
-                print(json.dumps(runs), file=sys.stderr, flush=True)
-                rows.append({"launcher": launcher, "scenario": scenario,
-                             **{k: _median([r[k] for r in runs]) for k in
-                                ("detection_s", "resumed_s", "lost_steps", "world")}})
+                for _ in range(args.repeats):
+                    runs.append(run_once(launcher, scenario, etcd, args.give_up))
+                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     finally:
         etcd.close()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(table(rows, args.give_up))
+            json.dump(runs, f, indent=1)
+    print(table(runs, args.give_up))
 
 
 if __name__ == "__main__":

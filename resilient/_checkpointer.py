@@ -25,6 +25,8 @@ from ._storage import LocalStorage, Storage, open_storage
 from ._transfer import copy_step, has_all_files
 from ._tree import flatten_state
 from ._uploader import Uploader
+from ._metrics import enabled as metrics_enabled
+from ._metrics import metrics
 from ._writer import BackgroundWriter, SaveHandle, SaveJob
 from .launch.gang import Gang
 
@@ -34,7 +36,9 @@ log = logging.getLogger("resilient")
 
 _CODECS = {None: "none", "none": "none", "zstd": "zstd"}
 DEFAULT_CHUNK_BYTES = 16 << 20
-_EXIT_ON_ERROR_TIMEOUT = 30.0
+# Leaving the ``with`` block on an exception: a save in flight usually needs a peer that is
+# gone, and a launcher decides on recovery only once this process has exited.
+_EXIT_ON_ERROR_TIMEOUT = 5.0
 
 
 def _env_float(name: str, default: float) -> float:
@@ -175,6 +179,11 @@ class Checkpointer:
                 keep_remote=self._keep_remote,
                 on_uploaded=self._on_uploaded,
             )
+            if metrics_enabled():
+                uploader, m = self._uploader, metrics()
+                m.upload_lag_steps.set_function(lambda: len(uploader.pending()))
+                m.upload_lag_seconds.set_function(uploader.lag_seconds)
+        self._uploaded_bytes_seen = 0
         self._closed = False
 
     # -- properties -------------------------------------------------------------------------
@@ -203,6 +212,8 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         state = self._state(state, "save")
+        if self._coord.rank == 0:
+            self._events.emit("step", step=step)  # progress, for timelines and goodput
         due = force or self._save_policy.due(step, time.monotonic())
         if getattr(self._save_policy, "time_based", False) and not force:
             due = self._coord.broadcast_flag(due)
@@ -247,14 +258,16 @@ class Checkpointer:
         self.stats["saves_committed" if handle.committed else "saves_failed"] += 1
         took = round((handle.committed_at or 0.0) - handle.started, 6)
         if handle.committed:
-            self._events.emit("save_committed", step=handle.step, tier="local", seconds=took)
+            self._events.emit("save_committed", step=handle.step, tier="local", seconds=took, bytes=handle.nbytes)
         else:
             self._events.emit("save_failed", step=handle.step, seconds=took, error=str(handle._error))
 
     def _on_uploaded(self, step: int, seconds: float | None) -> None:
         if seconds is not None and self._coord.rank == 0:  # rank 0 writes the remote commit record
-            self._events.emit("save_committed", step=step, tier=self._remote.url.split("://")[0],
-                              seconds=round(seconds, 6))
+            moved = self._uploader.uploaded_bytes - self._uploaded_bytes_seen if self._uploader else 0
+            self._uploaded_bytes_seen += moved
+            self._events.emit("save_committed", step=step, tier="remote", url_scheme=self._remote.url.split("://")[0],
+                              seconds=round(seconds, 6), bytes=moved)
         self._apply_retention()
 
     def _after_commit(self, step: int) -> None:
@@ -429,7 +442,7 @@ class Checkpointer:
             if self.rng and rng:
                 apply_rng(rng)
             self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),
-                              fetched=step in fetched_steps)
+                              source="remote" if step in fetched_steps else "local")
             return step
 
     # -- lifecycle ----------------------------------------------------------------------------

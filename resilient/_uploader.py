@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from ._catalog import COMMITTED, Catalog
+from ._metrics import record
 from ._policy import RetentionPolicy, to_delete
 from ._storage import Storage
 from ._transfer import commit_step, copy_step, has_all_files
@@ -48,6 +49,7 @@ class Uploader:
         self.uploaded_bytes = 0
         self.last_error: str | None = None
         self._queue: list[int] = []
+        self._queued_at: dict[int, float] = {}
         self._done: set[int] = set()
         # steps found on the local tier at start, written by an earlier gang: other nodes'
         # files may never come (that node is gone), so they are not waited for
@@ -63,6 +65,7 @@ class Uploader:
         with self._cond:
             if step not in self._queue and step not in self._done:
                 self._queue.append(step)
+                self._queued_at[step] = time.monotonic()
                 self._cond.notify_all()
 
     def uploaded(self, step: int) -> bool:
@@ -72,6 +75,13 @@ class Uploader:
     def pending(self) -> list[int]:
         with self._cond:
             return list(self._queue)
+
+    def lag_seconds(self) -> float:
+        """How long the oldest step still to upload has been waiting (0: none)."""
+        with self._cond:
+            waiting = [self._queued_at.get(step) for step in self._queue]
+        started = [t for t in waiting if t is not None]
+        return time.monotonic() - min(started) if started else 0.0
 
     def flush(self, timeout: float | None) -> None:
         """Block until the queue is empty; TimeoutError naming the steps still pending."""
@@ -104,6 +114,7 @@ class Uploader:
                 return True
             except Exception as exc:  # every store failure is worth another try
                 self.retries += 1
+                record("upload_retry", {})
                 # only the exception's type and message: never the storage options
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 delay = min(self.max_delay, self.base_delay * 2**attempt) * random.uniform(0.5, 1.0)
@@ -171,6 +182,7 @@ class Uploader:
         which, like an upload, settles it: local retention may then delete it."""
         with self._cond:
             self._queue.remove(step)
+            self._queued_at.pop(step, None)
             self._done.add(step)
             self._cond.notify_all()
         if seconds is not None:

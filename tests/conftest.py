@@ -18,27 +18,17 @@ def _resilient_logs(caplog):
 def s3_server():
     """A real S3-protocol server (moto's server mode) on 127.0.0.1, as s3fs's own tests use."""
     pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
+    from resilient.devservices import S3Server
 
-    from .launch import free_port
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    options = {"key": "testing-key-id", "secret": "testing-secret-key", "client_kwargs": {"endpoint_url": endpoint}}
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**options)
-    fs.mkdir("ckpt-tests")
-    yield {"endpoint": endpoint, "options": options, "bucket": "ckpt-tests"}
+    server = S3Server(bucket="ckpt-tests").start()
+    yield {"endpoint": server.endpoint, "options": server.storage_options, "bucket": server.bucket}
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def etcd_server():
     """A real etcd (v3 API) on 127.0.0.1 for the whole session."""
-    from .services import EtcdServer
+    from resilient.devservices import EtcdServer
 
     server = EtcdServer().start()
     yield server

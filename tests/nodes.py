@@ -85,10 +85,10 @@ class Cluster:
         return "file://" + os.path.join(self.tmp, "remote")
 
     def start(self, name: str, *, extra: list[str] | None = None, script_args: list[str] | None = None,
-              rdzv: list[str] | None = None) -> Node:
+              rdzv: list[str] | None = None, env: dict[str, str] | None = None) -> Node:
         log_path = os.path.join(self.tmp, f"{name}.log")
         env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": os.path.join(self.tmp, name),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESILIENT_COMMIT_TIMEOUT": "20"}
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESILIENT_COMMIT_TIMEOUT": "20", **(env or {})}
         rdzv = rdzv or self.rdzv or etcd_v3_flags(self.endpoint, self.run_id)
         cmd = [*self.launcher, f"--nnodes={self.nnodes}", "--nproc-per-node=1", *rdzv,
                f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1",

@@ -161,3 +161,11 @@ def test_commits_are_fenced_by_round_and_lease(etcd_server, run_id, tmp_path, mo
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def test_a_dead_endpoint_is_skipped(etcd_server, run_id):
+    from .launch import free_port
+
+    etcd = Etcd(f"127.0.0.1:{free_port()},{etcd_server.endpoint}", timeout=1)
+    etcd.put(f"/resilient/{run_id}/x", "1")
+    assert etcd.get(f"/resilient/{run_id}/x").value == b"1"

@@ -283,6 +283,24 @@ def cmd_push(a: argparse.Namespace) -> int:
     return _copy(a.root, a.url, a)
 
 
+def cmd_timeline(a: argparse.Namespace) -> int:
+    from .. import _timeline
+
+    events = _timeline.read_events(a.log)
+    if not events:
+        raise Problem(f"{a.log}: no events (is RESILIENT_EVENT_LOG / events= pointing here?)")
+    timeline = _timeline.build(events)
+    if a.json:
+        print(json.dumps(_timeline.summary(timeline), indent=1))
+    else:
+        print(_timeline.render_text(timeline))
+    if a.png:
+        _timeline.plot(timeline, a.png)
+        if not a.json:
+            print(f"plot written to {a.png}")
+    return 0
+
+
 # -- parser --------------------------------------------------------------------------------------
 def _options(raw: str | None) -> dict[str, Any]:
     if raw is None:
@@ -335,6 +353,10 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("root", metavar="ROOT")
     sp.add_argument("--keep", type=int, required=True, metavar="K")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    sp = add("timeline", cmd_timeline, "a run's recovery timeline and goodput, from its event log")
+    sp.add_argument("log", metavar="RUN_LOG", help="the JSON-lines event log (RESILIENT_EVENT_LOG)")
+    sp.add_argument("--json", action="store_true", help="summary and recoveries as JSON")
+    sp.add_argument("--png", metavar="PATH", help="also plot step progress with faults, rounds and restores")
     for name, fn, first, second in (("pull", cmd_pull, "url", "root"), ("push", cmd_push, "root", "url")):
         sp = add(name, fn, f"copy committed checkpoints {'from URL to ROOT' if name == 'pull' else 'from ROOT to URL'}, verified")
         sp.add_argument(first, metavar=first.upper())

@@ -42,6 +42,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
+from .._events import EventLog
 from ._etcd import Etcd, KeyValue, LeaseKeeper, PrefixMirror, same_revision
 from .gang import GANG_ENV
 
@@ -128,6 +129,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._running: Round | None = None          # the round our workers run in
         self._running_revision = 0
         self.last_change: str = ""                  # why num_nodes_waiting() last said "restart"
+        self._detected_at: float | None = None      # when last_change was first seen
+        self.events = EventLog(os.environ.get("RESILIENT_EVENT_LOG") or None, -1, node=self.node)
+        # torch's contract: shutdown() closes the run for every node. resilient-run's agent
+        # clears this unless its workers succeeded: a node that gives up leaves the gang
+        # (spares and survivors carry on) instead of ending the job for everyone.
+        self.close_on_shutdown = True
 
     # -- RendezvousHandler -------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -148,14 +155,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.etcd.put(self._closed_key, json.dumps({"by": self.node, "at": time.time()}), lease=lease)
 
     def shutdown(self) -> bool:
-        try:
-            self.set_closed()
-        except Exception as exc:  # noqa: BLE001 - shutting down must not raise
-            log.warning("could not mark run %s closed in etcd: %s", self.run_id, exc)
+        if self.close_on_shutdown:
+            try:
+                self.set_closed()
+            except Exception as exc:  # noqa: BLE001 - shutting down must not raise
+                log.warning("could not mark run %s closed in etcd: %s", self.run_id, exc)
         if self._keeper is not None:
             self._keeper.close()
         self._mirror.close()
         self._server = None
+        self.events.close()
         return True
 
     def num_nodes_waiting(self) -> int:
@@ -168,27 +177,31 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if self._running is None or self._keeper is None:
             return 0
         if self._keeper.lost.is_set():
-            return self._restart("this node lost its etcd lease (fenced)", 1)
+            return self._restart("fenced", "this node lost its etcd lease", 1)
         kvs = self._mirror.snapshot()
         if self._closed_key in kvs or self._round_key not in kvs:
             return 0
         current = Round.decode(kvs[self._round_key])
         if current.number != self._running.number:
-            return self._restart(f"round {current.number} opened", max(1, len(current.joined)))
+            return self._restart("new_round", f"round {current.number} opened", max(1, len(current.joined)))
         alive = self._alive(kvs)
         lost = [m for m in self._running.members if m not in alive]
         if lost:
-            return self._restart(f"lost {', '.join(lost)}", len(lost))
+            return self._restart("lost", f"lost {', '.join(lost)}", len(lost))
         if len(self._running.members) < self.max_nodes:
             waiting = [n for n in alive if n not in self._running.members]
             if waiting:
-                return self._restart(f"{', '.join(waiting)} waiting to join", len(waiting))
+                return self._restart("joined", f"{', '.join(waiting)} waiting to join", len(waiting))
         return 0
 
-    def _restart(self, cause: str, count: int) -> int:
-        if cause != self.last_change:
-            log.warning("[%s] gang must re-form: %s", self.node, cause)
-            self.last_change = cause
+    def _restart(self, cause: str, detail: str, count: int) -> int:
+        if detail != self.last_change:
+            log.warning("[%s] gang must re-form: %s", self.node, detail)
+            self.last_change = detail
+            self._detected_at = time.monotonic()
+            # a lost node was silent for up to one lease TTL before etcd expired it
+            self.events.emit("membership_change", cause=cause, detail=detail, round=self._running.number if
+                             self._running else None, detection_s=self.conf["lease_ttl"] if cause == "lost" else None)
         return count
 
     def wait_membership_change(self, timeout: float) -> bool:
@@ -205,7 +218,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._mirror.wait_change(version, timeout=min(left, 0.5))
 
     def next_rendezvous(self) -> RendezvousInfo:
-        deadline = time.monotonic() + self.conf["join_timeout"]
+        self._joining_since = time.monotonic()
+        deadline = self._joining_since + self.conf["join_timeout"]
         offered: str | None = None
         min_reached_at: dict[int, float] = {}
         while True:
@@ -291,7 +305,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             store = TCPStore(host, int(port), is_master=False,
                              timeout=timedelta(seconds=self.conf["store_timeout"]))
         self._running, self._running_revision = state, revision
-        self.last_change = ""
+        since = self._detected_at or self._joining_since
+        self.events.emit("round_formed", round=state.number, nodes=len(state.members), group_rank=rank,
+                         members=state.members, reform_s=round(time.monotonic() - since, 6))
+        self.last_change, self._detected_at = "", None
         os.environ[GANG_ENV] = json.dumps({
             "endpoints": self.etcd.spec, "prefix": self.prefix, "round": state.number,
             "revision": revision, "node": self.node, "members": state.members,

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
@@ -35,6 +35,15 @@ GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_orphan_guard.
 
 class ResilientAgent(LocalElasticAgent):
     """torch's local agent, plus orphan-proof workers and peer-loss-aware failure handling."""
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        handler = self._worker_group.spec.rdzv_handler
+        if isinstance(handler, EtcdV3RendezvousHandler):
+            handler.close_on_shutdown = False
+        result = super().run(role)
+        if isinstance(handler, EtcdV3RendezvousHandler):
+            handler.close_on_shutdown = not result.is_failed()
+        return result
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, object]:
         spec = worker_group.spec
@@ -61,6 +70,14 @@ class ResilientAgent(LocalElasticAgent):
                     "without counting a restart", handler.last_change)
         self._restart_workers(worker_group)
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        handler = worker_group.spec.rdzv_handler
+        if isinstance(handler, EtcdV3RendezvousHandler):
+            failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            handler.events.emit("workers_restarted", reason="failure" if failed else "membership",
+                                detail=handler.last_change or None)
+        super()._restart_workers(worker_group)
 
 
 def install() -> None:
@@ -99,6 +116,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
     parser = get_args_parser()
     parser.prog = "resilient-run"
+    ours = parser.add_argument_group("resilient-run")
+    ours.add_argument("--metrics-port", "--metrics_port", type=int, default=None, metavar="PORT",
+                      help="serve this agent's Prometheus metrics on PORT (default: off)")
+    ours.add_argument("--event-log", "--event_log", default=os.environ.get("RESILIENT_EVENT_LOG"), metavar="PATH",
+                      help="JSON-lines event log shared by this run's agents and workers "
+                           "(sets RESILIENT_EVENT_LOG; read it with `resilient-ckpt timeline`)")
     launcher_args, script_args = split_command_line(parser, argv)
     args = parser.parse_args(launcher_args)
     args.training_script_args = script_args
@@ -111,8 +134,29 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if args.event_log:
+        os.environ["RESILIENT_EVENT_LOG"] = os.path.abspath(args.event_log)
+    if args.metrics_port is not None:
+        serve_metrics(args.metrics_port, args.event_log)
     install()
     run(args)
+
+
+def serve_metrics(port: int, event_log: str | None) -> None:
+    """The agent's metrics endpoint; goodput is recomputed from the event log on each scrape."""
+    from .. import _timeline
+    from .._metrics import metrics
+
+    m = metrics()
+    m.serve(port)
+    if event_log:
+        def goodput() -> float:
+            try:
+                return _timeline.build(_timeline.read_events(event_log)).goodput
+            except (OSError, ValueError):
+                return float("nan")
+
+        m.goodput.set_function(goodput)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,190 @@
+"""Run N simulated nodes on this machine: one etcd, one resilient-run agent per node.
+
+For demos and chaos tests: every node has its own agent (its own lease, its own workers)
+and its own local tier; faults are real signals at given times; at the end the run's
+timeline and goodput are printed from the shared event log.
+
+    python launchers/local/simulate.py --nodes 3 --nnodes 1:2 --kill b@20 --freeze a@40 \\
+        -- examples/train.py --root runs/sim/{node} --steps 400
+
+``{node}`` in the script's arguments becomes the node's name (a, b, c, ...); the node's
+local directory is also in ``$NODE_ROOT``. ``--netns`` puts every node in a network
+namespace of its own, joined by a bridge (root and iproute2 needed), so that
+``--partition b@30`` cuts a node off for real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import string
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from resilient.devservices import EtcdServer
+
+BRIDGE, SUBNET = "rsim0", "10.231.0"
+
+
+@dataclass
+class Fault:
+    kind: str   # kill, freeze, partition
+    node: str
+    at: float
+
+    @classmethod
+    def parse(cls, kind: str, spec: str) -> "Fault":
+        node, sep, at = spec.partition("@")
+        try:
+            return cls(kind, node, float(at))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{kind} {spec!r}: expected NODE@SECONDS, e.g. b@20") from None
+
+
+def run(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True)
+
+
+class Netns:
+    """Each node in its own namespace, all on one bridge with the host (where etcd listens)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        run(["ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE])
+        run(["ip", "link", "set", BRIDGE, "up"])
+        for i, name in enumerate(names):
+            ns, host_end = f"rsim-{name}", f"rsim-{name}-h"
+            run(["ip", "netns", "add", ns])
+            run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            run(["ip", "link", "set", host_end, "master", BRIDGE, "up"])
+            run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0"])
+            run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def address(self, index: int) -> str:
+        return f"{SUBNET}.{10 + index}"
+
+    def prefix(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", f"rsim-{name}"]
+
+    def cut(self, name: str) -> None:
+        run(["ip", "link", "set", f"rsim-{name}-h", "down"])
+
+    def close(self) -> None:
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", f"rsim-{name}"], check=False)
+        subprocess.run(["ip", "link", "del", BRIDGE], check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("usage: simulate.py [options] -- SCRIPT [ARGS...]   (see --help)"
+                         if "-h" not in argv and "--help" not in argv else __doc__)
+    ours, script = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, help="agents to start (default: %(default)s)")
+    p.add_argument("--nnodes", default=None, help="MIN:MAX of the gang (default: 1:NODES)")
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--dir", default="runs/simulate", help="event log and node directories (default: %(default)s)")
+    p.add_argument("--kill", action="append", default=[], type=lambda s: Fault.parse("kill", s),
+                   help="SIGKILL a node's agent and workers at a time: NODE@SECONDS")
+    p.add_argument("--freeze", action="append", default=[], type=lambda s: Fault.parse("freeze", s),
+                   help="SIGSTOP a node (agent and workers) at a time: NODE@SECONDS")
+    p.add_argument("--partition", action="append", default=[], type=lambda s: Fault.parse("partition", s),
+                   help="cut a node's network at a time (needs --netns): NODE@SECONDS")
+    p.add_argument("--netns", action="store_true", help="one network namespace per node (root)")
+    p.add_argument("--rdzv-conf", default="lease_ttl=5")
+    p.add_argument("--timeout", type=float, default=1800, help="stop everything after this many seconds")
+    args = p.parse_args(ours)
+    if not script:
+        p.error("give the training script after --")
+    names = list(string.ascii_lowercase[:args.nodes])
+    faults = sorted(args.kill + args.freeze + args.partition, key=lambda f: f.at)
+    for fault in faults:
+        if fault.node not in names:
+            p.error(f"--{fault.kind} names node {fault.node!r}; nodes are {', '.join(names)}")
+        if fault.kind == "partition" and not args.netns:
+            p.error("--partition needs --netns")
+    os.makedirs(args.dir, exist_ok=True)
+    events = os.path.abspath(os.path.join(args.dir, "events.jsonl"))
+    if os.path.exists(events):
+        os.remove(events)
+    netns = Netns(names) if args.netns else None
+    # with namespaces, etcd listens on the bridge, where every node can reach it
+    etcd = EtcdServer(os.path.join(args.dir, "etcd"), host=f"{SUBNET}.1" if netns else "127.0.0.1").start()
+    run_id = f"sim-{int(time.time())}"
+    agents: dict[str, subprocess.Popen] = {}
+    try:
+        for i, name in enumerate(names):
+            root = os.path.abspath(os.path.join(args.dir, name))
+            env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": root, "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, "-m", "resilient.launch.run", f"--nnodes={args.nnodes or f'1:{args.nodes}'}",
+                   f"--nproc-per-node={args.nproc_per_node}", "--max-restarts=3",
+                   "--rdzv-backend=etcd-v3", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+                   f"--rdzv-conf={args.rdzv_conf}", f"--event-log={events}"]
+            if netns:
+                cmd = netns.prefix(name) + cmd + [f"--local-addr={netns.address(i)}"]
+                env["GLOO_SOCKET_IFNAME"] = "eth0"
+            cmd += [a.replace("{node}", name) for a in script]
+            log = open(os.path.join(args.dir, f"{name}.log"), "wb")
+            agents[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            print(f"node {name}: agent {agents[name].pid}, log {log.name}", flush=True)
+        started = time.monotonic()
+        for fault in faults:
+            time.sleep(max(0.0, started + fault.at - time.monotonic()))
+            inject(fault, agents[fault.node], netns)
+        deadline = started + args.timeout
+        while time.monotonic() < deadline and any(a.poll() is None for n, a in agents.items()
+                                                  if n not in {f.node for f in faults}):
+            time.sleep(0.5)
+        codes = {n: a.poll() for n, a in agents.items()}
+        print(f"agents exited: {codes}", flush=True)
+    finally:
+        for agent in agents.values():
+            stop(agent)
+        etcd.stop()
+        if netns:
+            netns.close()
+    subprocess.run([sys.executable, "-m", "resilient.ckpt", "timeline", events,
+                    "--png", os.path.join(args.dir, "timeline.png")], check=False)
+    survivors = [n for n in names if n not in {f.node for f in faults}]
+    return 0 if all(codes[n] == 0 for n in survivors) else 1
+
+
+def inject(fault: Fault, agent: subprocess.Popen, netns: Netns | None) -> None:
+    print(f"{time.strftime('%H:%M:%S')} fault: {fault.kind} node {fault.node}", flush=True)
+    if fault.kind == "partition":
+        assert netns is not None
+        netns.cut(fault.node)
+        return
+    sig = signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP
+    for proc in [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def stop(agent: subprocess.Popen) -> None:
+    try:
+        procs = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    agent.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

