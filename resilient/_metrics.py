@@ -17,6 +17,7 @@ log = logging.getLogger("resilient")
 
 _lock = threading.Lock()
 _metrics: "Metrics | None" = None
+_is_agent = False  # agents serve on --metrics-port only; RESILIENT_METRICS_PORT is their workers'
 
 # seconds: from a memcpy of a small model to a slow object-store upload
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
@@ -75,7 +76,7 @@ def metrics() -> Metrics:
         if _metrics is None:
             _metrics = Metrics()
             port = os.environ.get("RESILIENT_METRICS_PORT")
-            if port:
+            if port and not _is_agent:
                 local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
                 try:
                     _metrics.serve(int(port) + local_rank)
@@ -85,9 +86,15 @@ def metrics() -> Metrics:
 
 
 
+def mark_agent() -> None:
+    """This process is a launcher's agent: its workers, not it, own RESILIENT_METRICS_PORT."""
+    global _is_agent
+    _is_agent = True
+
+
 def enabled() -> bool:
     """Whether anyone may scrape this process (else the registry is never even built)."""
-    return _metrics is not None or bool(os.environ.get("RESILIENT_METRICS_PORT"))
+    return _metrics is not None or (bool(os.environ.get("RESILIENT_METRICS_PORT")) and not _is_agent)
 
 
 def record(event: str, fields: dict) -> None:

@@ -43,6 +43,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from .._events import EventLog
+from .._metrics import mark_agent
 from ._etcd import Etcd, KeyValue, LeaseKeeper, PrefixMirror, same_revision
 from .gang import GANG_ENV
 
@@ -130,6 +131,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._running_revision = 0
         self.last_change: str = ""                  # why num_nodes_waiting() last said "restart"
         self._detected_at: float | None = None      # when last_change was first seen
+        self._reported_lost: set[str] = set()
+        mark_agent()  # the handler lives in the agent (resilient-run or torchrun)
         self.events = EventLog(os.environ.get("RESILIENT_EVENT_LOG") or None, -1, node=self.node)
         # torch's contract: shutdown() closes the run for every node. resilient-run's agent
         # clears this unless its workers succeeded: a node that gives up leaves the gang
@@ -185,7 +188,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if current.number != self._running.number:
             return self._restart("new_round", f"round {current.number} opened", max(1, len(current.joined)))
         alive = self._alive(kvs)
-        lost = [m for m in self._running.members if m not in alive]
+        lost = self._report_lost(alive)
         if lost:
             return self._restart("lost", f"lost {', '.join(lost)}", len(lost))
         if len(self._running.members) < self.max_nodes:
@@ -199,10 +202,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             log.warning("[%s] gang must re-form: %s", self.node, detail)
             self.last_change = detail
             self._detected_at = time.monotonic()
-            # a lost node was silent for up to one lease TTL before etcd expired it
-            self.events.emit("membership_change", cause=cause, detail=detail, round=self._running.number if
-                             self._running else None, detection_s=self.conf["lease_ttl"] if cause == "lost" else None)
+            if cause != "lost":  # lost members are reported by _report_lost, wherever seen first
+                self.events.emit("membership_change", cause=cause, detail=detail,
+                                 round=self._running.number if self._running else None)
         return count
+
+    def _report_lost(self, alive: list[str]) -> list[str]:
+        """Members of our round whose lease expired; each is reported once, when first seen
+        (while training, or while re-forming after our workers failed first)."""
+        lost = [m for m in (self._running.members if self._running else []) if m not in alive]
+        new = [m for m in lost if m not in self._reported_lost]
+        if new:
+            self._reported_lost.update(new)
+            # a lost node was silent for up to one lease TTL before etcd expired it
+            self.events.emit("membership_change", cause="lost", detail=f"lost {', '.join(new)}",
+                             round=self._running.number if self._running else None,
+                             detection_s=self.conf["lease_ttl"])
+        return lost
 
     def wait_membership_change(self, timeout: float) -> bool:
         """Whether the running round is over (or ends within ``timeout`` s) for reasons
@@ -251,6 +267,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """One step towards a running round that includes this node; None: wait and retry."""
         me = self.node
         alive = self._alive(kvs)
+        self._report_lost(alive)
         if me not in alive:
             return None  # our registration is not mirrored yet
         kv = kvs.get(self._round_key)

@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> None:
 def serve_metrics(port: int, event_log: str | None) -> None:
     """The agent's metrics endpoint; goodput is recomputed from the event log on each scrape."""
     from .. import _timeline
-    from .._metrics import metrics
+    from .._metrics import mark_agent, metrics
 
+    mark_agent()
     m = metrics()
     m.serve(port)
     if event_log:
