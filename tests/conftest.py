@@ -14,6 +14,14 @@ def _resilient_logs(caplog):
     caplog.set_level(logging.INFO, logger="resilient")
 
 
+@pytest.fixture(autouse=True)
+def _no_gang_leaks():
+    """An in-process rendezvous exports RESILIENT_GANG (for its workers); it must not make
+    a later test's Checkpointer believe it runs in that (long closed) round."""
+    yield
+    os.environ.pop("RESILIENT_GANG", None)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-protocol server (moto's server mode) on 127.0.0.1, as s3fs's own tests use."""
