@@ -148,6 +148,7 @@ class Checkpointer:
         self._staging = Staging()
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
+        self._reported_first_step = False
         self._inflight: SaveHandle | None = None
         self._handles: list[SaveHandle] = []
         self._bad_steps: set[int] = set()
@@ -213,6 +214,9 @@ class Checkpointer:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         state = self._state(state, "save")
         if self._coord.rank == 0:
+            if not self._reported_first_step:  # after start or restore: recovery is over
+                self._reported_first_step = True
+                self._events.emit("first_step", step=step)
             self._events.emit("step", step=step)  # progress, for timelines and goodput
         due = force or self._save_policy.due(step, time.monotonic())
         if getattr(self._save_policy, "time_based", False) and not force:
@@ -441,6 +445,7 @@ class Checkpointer:
                 continue
             if self.rng and rng:
                 apply_rng(rng)
+            self._reported_first_step = False
             self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),
                               source="remote" if step in fetched_steps else "local")
             return step

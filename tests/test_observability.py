@@ -90,6 +90,8 @@ def test_metrics_and_timeline_show_the_fault_the_new_round_and_the_restore(clust
     assert recovery["last_step_at"] < recovery["detected_at"] < recovery["round_formed_at"] \
         < recovery["restored_at"] < recovery["first_step_at"]
     assert summary["redone_steps"] == recovery["last_step_before"] - recovery["restored"]
+    firsts = [e for e in _timeline.read_events(run_log) if e["event"] == "first_step"]
+    assert firsts[-1]["step"] == recovery["first_step"] and abs(firsts[-1]["t"] - recovery["first_step_at"]) < 0.5
     assert 0.2 < summary["goodput"] < 1
     with open(tmp_path / "t.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

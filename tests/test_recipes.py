@@ -111,3 +111,27 @@ def test_local_recipe_runs_nodes_kills_one_and_prints_the_timeline(tmp_path):
     assert (tmp_path / "sim" / "timeline.png").stat().st_size > 1000
     starts = [json.loads(line) for line in open(tmp_path / "train.jsonl") if '"start"' in line]
     assert starts[-1]["world"] == 1 and starts[-1]["restored"] > 0
+
+
+def _netns_usable() -> bool:
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    probe = subprocess.run(["ip", "netns", "add", "rsim-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "rsim-probe"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _netns_usable(), reason="needs root and network namespaces")
+def test_local_recipe_partitions_a_node_for_real_in_its_own_network_namespace(tmp_path):
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "launchers", "local", "simulate.py"), "--nodes", "2", "--netns",
+         "--dir", str(tmp_path / "sim"), "--partition", "b@14", "--rdzv-conf", "lease_ttl=3", "--timeout", "100",
+         "--", os.path.join(REPO, "tests", "elastic_train.py"), "--events", str(tmp_path / "train.jsonl"),
+         "--remote", f"file://{tmp_path / 'remote'}", "--steps", "250", "--every", "5", "--step-time", "0.05"],
+        capture_output=True, text=True, timeout=140, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "fault: partition node b" in out.stdout and "lost its etcd lease" in out.stdout
+    starts = [json.loads(line) for line in open(tmp_path / "train.jsonl") if '"start"' in line]
+    assert starts[-1]["world"] == 1 and starts[-1]["restored"] > 0 and starts[-1]["node"] == "a"

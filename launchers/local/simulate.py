@@ -55,6 +55,15 @@ class Netns:
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
+        self.close()  # leftovers of an earlier run that was killed
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        names = self.names
         run(["ip", "link", "add", BRIDGE, "type", "bridge"])
         run(["ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE])
         run(["ip", "link", "set", BRIDGE, "up"])
@@ -78,8 +87,16 @@ class Netns:
 
     def close(self) -> None:
         for name in self.names:
-            subprocess.run(["ip", "netns", "del", f"rsim-{name}"], check=False)
-        subprocess.run(["ip", "link", "del", BRIDGE], check=False)
+            # a namespace (and its veth pair) lives on while any process is inside it
+            pids = subprocess.run(["ip", "netns", "pids", f"rsim-{name}"], capture_output=True, text=True).stdout
+            for pid in pids.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "link", "del", f"rsim-{name}-h"], check=False, capture_output=True)
+            subprocess.run(["ip", "netns", "del", f"rsim-{name}"], check=False, capture_output=True)
+        subprocess.run(["ip", "link", "del", BRIDGE], check=False, capture_output=True)
 
 
 def main(argv: list[str] | None = None) -> int:
