@@ -49,41 +49,56 @@ def etcd_binary() -> str:
 class EtcdServer:
     """One etcd member (loopback by default), started and restartable on demand."""
 
-    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", name: str = "m0") -> None:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="resilient-etcd-")
         os.makedirs(self.data_dir, exist_ok=True)
         self.host = host
+        self.name = name
         self.port = free_port()
         self.peer_port = free_port()
+        self.initial_cluster = self.peer  # a cluster of one, unless EtcdCluster says otherwise
         self.proc: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> "EtcdServer":
+    @property
+    def peer(self) -> str:
+        return f"{self.name}=http://{self.host}:{self.peer_port}"
+
+    def launch(self) -> None:
+        """Start the process; :meth:`wait_healthy` (or :meth:`start`) waits for it to serve."""
         url = f"http://{self.host}:{self.port}"
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
         self.proc = subprocess.Popen(
-            [etcd_binary(), "--data-dir", os.path.join(self.data_dir, "data"), "--name", "test",
+            [etcd_binary(), "--data-dir", os.path.join(self.data_dir, "data"), "--name", self.name,
              "--listen-client-urls", url, "--advertise-client-urls", url,
-             "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
-             "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}"],
+             "--listen-peer-urls", f"http://{self.host}:{self.peer_port}",
+             "--initial-advertise-peer-urls", f"http://{self.host}:{self.peer_port}",
+             "--initial-cluster", self.initial_cluster],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 20.0) -> None:
+        url = f"http://{self.host}:{self.port}/health"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as reply:
+                with urllib.request.urlopen(url, timeout=1) as reply:
                     if b'"true"' in reply.read():
-                        return self
+                        return
             except OSError:
                 pass
-            if self.proc.poll() is not None:
+            if self.proc is None or self.proc.poll() is not None:
                 break
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"etcd did not become healthy on {url}; see {self.data_dir}/etcd.log")
+        raise RuntimeError(f"etcd did not become healthy at {url}; see {self.data_dir}/etcd.log")
+
+    def start(self, timeout: float = 20.0) -> "EtcdServer":
+        self.launch()
+        self.wait_healthy(timeout)
+        return self
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -99,6 +114,31 @@ class EtcdServer:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+class EtcdCluster:
+    """Several members forming one etcd cluster (quorum: a majority), for failover tests."""
+
+    def __init__(self, size: int = 3, data_dir: str | None = None) -> None:
+        root = data_dir or tempfile.mkdtemp(prefix="resilient-etcd-cluster-")
+        self.members = [EtcdServer(os.path.join(root, f"m{i}"), name=f"m{i}") for i in range(size)]
+        for member in self.members:
+            member.initial_cluster = ",".join(m.peer for m in self.members)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        for member in self.members:  # all at once: none is healthy before a quorum is up
+            member.launch()
+        for member in self.members:
+            member.wait_healthy(timeout)
+        return self
+
+    def close(self) -> None:
+        for member in self.members:
+            member.close()
 
 
 class S3Server:

@@ -130,6 +130,37 @@ def test_etcd_restart_does_not_stop_training(tmp_path):
         server.close()
 
 
+def test_losing_the_etcd_leader_of_a_three_member_cluster_does_not_stop_training(tmp_path):
+    import json as _json
+    import urllib.request
+
+    from resilient.devservices import EtcdCluster
+
+    from .nodes import Cluster
+
+    etcd = EtcdCluster(3, str(tmp_path / "etcd")).start()
+
+    def is_leader(member) -> bool:
+        request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}")
+        with urllib.request.urlopen(request, timeout=2) as reply:
+            status = _json.loads(reply.read())
+        return status["leader"] == status["header"]["member_id"]
+
+    cluster = Cluster(str(tmp_path), etcd.endpoints, run_id="member-down", steps=240,
+                      rdzv=etcd_v3_flags(etcd.endpoints, "member-down", "lease_ttl=5,last_call_timeout=5"))
+    try:
+        a, b = cluster.start("a"), cluster.start("b")
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 20 and e["world"] == 2, 60, "world 2")
+        leader = next(m for m in etcd.members if is_leader(m))
+        leader.stop()  # a new leader is elected among the other two; clients move on
+        assert a.wait(100) == 0 and b.wait(30) == 0, a.log()
+        starts = [e for e in cluster.events() if e["event"] == "start"]
+        assert len(starts) == 2, f"workers were restarted: {starts}"
+    finally:
+        cluster.close()
+        etcd.close()
+
+
 def test_plain_torchrun_finds_the_backend(cluster):
     cluster.launcher = [sys.executable, "-m", "torch.distributed.run"]
     cluster.steps = 10
