@@ -25,6 +25,7 @@ from ._storage import LocalStorage, Storage, open_storage
 from ._transfer import copy_step, has_all_files
 from ._tree import flatten_state
 from ._uploader import Uploader
+from ._faults import from_env as faults_from_env
 from ._metrics import enabled as metrics_enabled
 from ._metrics import metrics
 from ._writer import BackgroundWriter, SaveHandle, SaveJob
@@ -149,6 +150,8 @@ class Checkpointer:
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
         self._reported_first_step = False
+        self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
+                                       on_fire=lambda kind, step: self._events.emit("fault", kind=kind, step=step))
         self._inflight: SaveHandle | None = None
         self._handles: list[SaveHandle] = []
         self._bad_steps: set[int] = set()
@@ -213,6 +216,8 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         state = self._state(state, "save")
+        if self._faults is not None:
+            self._faults.check(step)  # RESILIENT_FAULT: demos and tests
         if self._coord.rank == 0:
             if not self._reported_first_step:  # after start or restore: recovery is over
                 self._reported_first_step = True
