@@ -27,6 +27,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=25, help="checkpoint every N steps (default: %(default)s)")
     p.add_argument("--width", type=int, default=512, help="hidden width (default: %(default)s)")
     p.add_argument("--crash-at", type=int, default=None, help="SIGKILL this process after that step")
+    p.add_argument("--remote", default=None, help="remote tier URL, e.g. s3://bucket/run or file:///shared/run")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a bigger model)")
     return p.parse_args()
 
 
@@ -48,7 +50,7 @@ def main() -> None:
     net = DDP(model) if world > 1 else model
     state = {"model": model, "optim": optim, "sched": sched, "log": {"losses": []}}
 
-    with Checkpointer(args.root, every=args.every, state=state) as ckpt:
+    with Checkpointer(args.root, remote=args.remote, every=args.every, state=state) as ckpt:
         start = ckpt.restore()
         if rank == 0:
             print(f"{'resumed from step ' + str(start) if start else 'starting fresh'} "
@@ -65,6 +67,7 @@ def main() -> None:
             loss.backward()
             optim.step()
             sched.step()
+            time.sleep(args.step_time)
             state["log"]["losses"].append(round(loss.item(), 6))
             s0 = time.perf_counter()
             handle = ckpt.save(step + 1)
@@ -78,6 +81,8 @@ def main() -> None:
                           flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         ckpt.wait()
+        if args.remote:
+            ckpt.flush()
         if rank == 0:
             took = time.perf_counter() - t0
             print(f"done: {args.steps - start} steps in {took:.1f} s; training stalled {stall * 1e3:.0f} ms "

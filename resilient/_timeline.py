@@ -115,12 +115,15 @@ def recoveries(timeline: Timeline) -> list[dict[str, Any]]:
     out = []
     for prev, inc in zip(timeline.incarnations, timeline.incarnations[1:]):
         last_step = prev.steps[-1] if prev.steps else (prev.restored, prev.started)
+        fault = next((n for n in timeline.notes if n["event"] == "fault" and n["t"] >= last_step[1]
+                      and (inc.restored_at is None or n["t"] <= inc.restored_at)), None)
         detected = next((n for n in timeline.notes if n["event"] == "membership_change"
                          and n["t"] >= last_step[1]), None)
         formed = next((n for n in timeline.notes if n["event"] == "round_formed"
                        and n["t"] >= (detected or {"t": last_step[1]})["t"]), None)
         out.append({
             "last_step_before": last_step[0], "last_step_at": last_step[1],
+            "fault_at": fault["t"] if fault else None,
             "detected_at": detected["t"] if detected else None,
             "cause": detected.get("detail") if detected else None,
             "round_formed_at": formed["t"] if formed else None,
@@ -158,6 +161,8 @@ def render_text(timeline: Timeline) -> str:
             text = f"detected: {note.get('detail') or note.get('cause')} (agent {note.get('node', '?')})"
         elif note["event"] == "workers_restarted":
             text = f"workers restarted ({note['reason']}) (agent {note.get('node', '?')})"
+        elif note["event"] == "fault":
+            text = f"FAULT: {note['kind']} {note.get('target') or 'rank %s at step %s' % (note['rank'], note.get('step'))}"
         elif note["event"] == "save_failed":
             text = f"save of step {note['step']} failed: {note.get('error', '')[:120]}"
         else:
@@ -179,6 +184,8 @@ def render_text(timeline: Timeline) -> str:
                f"{len(s['recoveries'])} recovery(ies), {s['redone_steps']} step(s) redone, final step {s['final_step']}")
     for r in s["recoveries"]:
         parts = [f"after step {r['last_step_before']}"]
+        if r["fault_at"] is not None:
+            parts.append(f"fault +{r['fault_at'] - r['last_step_at']:.2f} s")
         if r["detected_at"] is not None:
             parts.append(f"detected +{r['detected_at'] - r['last_step_at']:.2f} s")
         if r["round_formed_at"] is not None:

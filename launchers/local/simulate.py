@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from resilient._events import EventLog
 from resilient.devservices import EtcdServer
 
 BRIDGE, SUBNET = "rsim0", "10.231.0"
@@ -154,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             agents[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             print(f"node {name}: agent {agents[name].pid}, log {log.name}", flush=True)
         started = time.monotonic()
+        log = EventLog(events, -1, node=f"simulate.py ({run_id})")
         for fault in faults:
             time.sleep(max(0.0, started + fault.at - time.monotonic()))
+            log.emit("fault", kind=fault.kind, target=f"node {fault.node}")
             inject(fault, agents[fault.node], netns)
+        log.close()
         deadline = started + args.timeout
         while time.monotonic() < deadline and any(a.poll() is None for n, a in agents.items()
                                                   if n not in {f.node for f in faults}):
