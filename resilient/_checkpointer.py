@@ -26,6 +26,7 @@ from ._transfer import copy_step, has_all_files
 from ._tree import flatten_state
 from ._uploader import Uploader
 from ._faults import from_env as faults_from_env
+from ._watchdog import from_env as watchdog_from_env
 from ._metrics import enabled as metrics_enabled
 from ._metrics import metrics
 from ._writer import BackgroundWriter, SaveHandle, SaveJob
@@ -150,6 +151,7 @@ class Checkpointer:
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
         self._reported_first_step = False
+        self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit)
         self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
                                        on_fire=lambda kind, step: self._events.emit("fault", kind=kind, step=step))
         self._inflight: SaveHandle | None = None
@@ -218,6 +220,8 @@ class Checkpointer:
         state = self._state(state, "save")
         if self._faults is not None:
             self._faults.check(step)  # RESILIENT_FAULT: demos and tests
+        if self._watchdog is not None:
+            self._watchdog.step()
         if self._coord.rank == 0:
             if not self._reported_first_step:  # after start or restore: recovery is over
                 self._reported_first_step = True
@@ -301,6 +305,7 @@ class Checkpointer:
         Raises ``CommitError`` for the first save that failed (after waiting for all), and
         ``TimeoutError`` when ``timeout`` seconds pass first.
         """
+        self._pause_watchdog()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             handles, self._handles = self._handles, []
@@ -386,6 +391,7 @@ class Checkpointer:
         is skipped with a warning naming it, and the next older one is tried.
         """
         self._check_open()
+        self._pause_watchdog()
         state = self._state(state, "restore")
         try:
             self.wait()
@@ -465,6 +471,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.close()
         timeout = self.commit_timeout if timeout is None else timeout
         try:
             self.wait(timeout)
@@ -479,6 +487,11 @@ class Checkpointer:
             if not self._writer.stop(timeout=timeout):
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._read_pool.shutdown()
+
+    def _pause_watchdog(self) -> None:
+        # restoring and waiting for commits are not steps: a long one is not a hang
+        if self._watchdog is not None:
+            self._watchdog.pause()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -72,7 +72,7 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return events
 
 
-_NOTES = {"membership_change", "round_formed", "workers_restarted", "save_failed", "fault"}
+_NOTES = {"membership_change", "round_formed", "workers_restarted", "save_failed", "fault", "hang_detected"}
 
 
 def build(events: Iterable[dict[str, Any]]) -> Timeline:
@@ -163,6 +163,8 @@ def render_text(timeline: Timeline) -> str:
             text = f"workers restarted ({note['reason']}) (agent {note.get('node', '?')})"
         elif note["event"] == "fault":
             text = f"FAULT: {note['kind']} {note.get('target') or 'rank %s at step %s' % (note['rank'], note.get('step'))}"
+        elif note["event"] == "hang_detected":
+            text = f"rank {note['rank']} hung: no step for {note['idle_s']:.1f} s (limit {note['limit_s']:.1f} s); exiting"
         elif note["event"] == "save_failed":
             text = f"save of step {note['step']} failed: {note.get('error', '')[:120]}"
         else:

@@ -69,6 +69,19 @@ def test_repeated_worker_restarts_do_not_hang(cluster):
     b.kill()
 
 
+def test_hung_rank_is_a_failed_rank(cluster):
+    """A worker stuck in a step (no crash, no lost node) must not stall the gang for gloo's
+    30 minutes: its watchdog and its peers' see no progress and exit; the gang restarts."""
+    env = {"RESILIENT_HANG_TIMEOUT": "3", "RESILIENT_FAULT": "hang:rank=1,step=40"}
+    a, b = cluster.start("a", env=env), cluster.start("b", env=env)
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "world 2")
+    hung = cluster.wait_for(lambda e: e["event"] == "step" and e["step"] == 39, 30, "the last step before the hang")
+    resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > hung["t"], 40, "a restart after the hang")
+    assert resumed["world"] == 2 and resumed["restored"] >= 30
+    assert resumed["t"] - hung["t"] < 3 + 10
+    assert a.wait(90) == 0 and b.wait(30) == 0
+
+
 def test_frozen_node_is_detected_by_lease_expiry(cluster):
     a, b = cluster.start("a"), cluster.start("b")
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
