@@ -147,28 +147,27 @@ def summary(timeline: Timeline) -> dict[str, Any]:
     }
 
 
+def _agent(note: dict[str, Any]) -> str:
+    return f"(agent {note.get('node', '?')})"
+
+
+_NOTE_TEXT = {
+    "round_formed": lambda n: f"round {n['round']} formed: {n['nodes']} node(s) {_agent(n)}",
+    "membership_change": lambda n: f"detected: {n.get('detail') or n.get('cause')} {_agent(n)}",
+    "workers_restarted": lambda n: f"workers restarted ({n['reason']}) {_agent(n)}",
+    "fault": lambda n: f"FAULT: {n['kind']} " + (n.get("target") or f"rank {n['rank']} at step {n.get('step')}"),
+    "hang_detected": lambda n: f"rank {n['rank']} hung: no step for {n['idle_s']:.1f} s (limit {n['limit_s']:.1f} s); exiting",
+    "save_failed": lambda n: f"save of step {n['step']} failed: {n.get('error', '')[:120]}",
+}
+
+
 def render_text(timeline: Timeline) -> str:
     t0 = timeline.start
-
-    def at(t: float | None) -> str:
-        return f"{t - t0:8.2f} s" if t is not None else "       – "
-
     lines = []
     for note in timeline.notes:
-        if note["event"] == "round_formed":
-            text = f"round {note['round']} formed: {note['nodes']} node(s) (agent {note.get('node', '?')})"
-        elif note["event"] == "membership_change":
-            text = f"detected: {note.get('detail') or note.get('cause')} (agent {note.get('node', '?')})"
-        elif note["event"] == "workers_restarted":
-            text = f"workers restarted ({note['reason']}) (agent {note.get('node', '?')})"
-        elif note["event"] == "fault":
-            text = f"FAULT: {note['kind']} {note.get('target') or 'rank %s at step %s' % (note['rank'], note.get('step'))}"
-        elif note["event"] == "hang_detected":
-            text = f"rank {note['rank']} hung: no step for {note['idle_s']:.1f} s (limit {note['limit_s']:.1f} s); exiting"
-        elif note["event"] == "save_failed":
-            text = f"save of step {note['step']} failed: {note.get('error', '')[:120]}"
-        else:
-            text = f"{note['event']}: {json.dumps({k: v for k, v in note.items() if k not in ('t', 'event')})}"
+        describe = _NOTE_TEXT.get(note["event"])
+        text = describe(note) if describe else \
+            f"{note['event']}: {json.dumps({k: v for k, v in note.items() if k not in ('t', 'event')})}"
         lines.append((note["t"], text))
     for inc in timeline.incarnations:
         if inc.restored_at is not None:
@@ -180,22 +179,16 @@ def render_text(timeline: Timeline) -> str:
             lines.append((inc.steps[-1][1], f"last step: {inc.steps[-1][0]}"))
     lines.sort(key=lambda x: x[0])
     s = summary(timeline)
-    out = [f"{at(t)}  {text}" for t, text in lines]
+    out = [f"{t - t0:8.2f} s  {text}" for t, text in lines]
     out.append("")
     out.append(f"goodput {s['goodput']:.1%}: {s['useful_s']:.1f} s of kept steps in {s['wall_s']:.1f} s wall; "
                f"{len(s['recoveries'])} recovery(ies), {s['redone_steps']} step(s) redone, final step {s['final_step']}")
     for r in s["recoveries"]:
         parts = [f"after step {r['last_step_before']}"]
-        if r["fault_at"] is not None:
-            parts.append(f"fault +{r['fault_at'] - r['last_step_at']:.2f} s")
-        if r["detected_at"] is not None:
-            parts.append(f"detected +{r['detected_at'] - r['last_step_at']:.2f} s")
-        if r["round_formed_at"] is not None:
-            parts.append(f"round formed +{r['round_formed_at'] - r['last_step_at']:.2f} s")
-        if r["restored_at"] is not None:
-            parts.append(f"restored step {r['restored']} +{r['restored_at'] - r['last_step_at']:.2f} s")
-        if r["first_step_at"] is not None:
-            parts.append(f"first step +{r['first_step_at'] - r['last_step_at']:.2f} s")
+        for key, label in (("fault_at", "fault"), ("detected_at", "detected"), ("round_formed_at", "round formed"),
+                           ("restored_at", f"restored step {r['restored']}"), ("first_step_at", "first step")):
+            if r[key] is not None:
+                parts.append(f"{label} +{r[key] - r['last_step_at']:.2f} s")
         out.append("recovery: " + ", ".join(parts))
     return "\n".join(out)
 
