@@ -7,7 +7,9 @@ Faults, injected after training settles at world size 2:
 * ``worker``: SIGKILL one worker process (its agent lives);
 * ``node``:   SIGKILL a node: its agent and its workers;
 * ``frozen``: SIGSTOP a node: agent and workers (no TCP reset; peers just block);
-* ``spare``:  SIGKILL a node while a third agent waits as a spare (``--nnodes=1:2``).
+* ``spare``:  SIGKILL a node while a third agent waits as a spare (``--nnodes=1:2``);
+* ``hung``:   rank 1 stops inside step 60 (``RESILIENT_FAULT=hang``): no crash, no lost node.
+  resilient-run's runs set ``RESILIENT_HANG_TIMEOUT=5``; torchrun's keep its defaults.
 
 Reported per launcher and scenario (median over the runs that resumed):
 
@@ -44,6 +46,7 @@ from tests.launch import free_port  # noqa: E402
 from tests.nodes import Cluster, c10d_flags, etcd_v3_flags  # noqa: E402
 from resilient.devservices import EtcdServer  # noqa: E402
 
+HUNG_AT, HANG_TIMEOUT, STEP_TIME = 60, 5, 0.05
 LAUNCHERS = {
     "resilient-run + etcd-v3": [sys.executable, "-m", "resilient.launch.run"],
     "torchrun + c10d": [sys.executable, "-m", "torch.distributed.run"],
@@ -58,10 +61,15 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
     else:
         rdzv = c10d_flags(f"127.0.0.1:{free_port()}", run_id)
     cluster = Cluster(tmp, etcd.endpoint, run_id, steps=100_000, rdzv=rdzv, launcher=LAUNCHERS[launcher])
+    env = {}
+    if scenario == "hung":  # rank 1 stops inside step 60; only resilient-run's runs watch for hangs
+        env = {"RESILIENT_FAULT": f"hang:rank=1,step={HUNG_AT}"}
+        if launcher.startswith("resilient"):
+            env["RESILIENT_HANG_TIMEOUT"] = str(HANG_TIMEOUT)
     try:
-        cluster.start("a")
+        cluster.start("a", env=env)
         time.sleep(1.0)  # "a" first: with c10d it hosts the store, and it is never the victim
-        victim = cluster.start("b")
+        victim = cluster.start("b", env=env)
         if scenario == "spare":
             cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2, 120, "world 2")
             cluster.start("c")
@@ -71,11 +79,16 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         survivor_workers = [psutil.Process(p) for p in cluster.workers_of("a") if psutil.pid_exists(p)]
         old_workers = set(cluster.workers_of("a") + cluster.workers_of("b") + cluster.workers_of("c"))
         fault = time.time()
-        if scenario == "worker":
+        if scenario == "hung":  # the fault is the step that never finished
+            before = cluster.wait_for(lambda e: e["event"] == "step" and e["rank"] == 1 and e["step"] == HUNG_AT - 1,
+                                      60, "the step before the hang")
+            fault = before["t"] + STEP_TIME
+            survivor_workers = [psutil.Process(p) for p in old_workers if psutil.pid_exists(p)]
+        elif scenario == "worker":
             os.kill(cluster.workers_of("b")[-1], signal.SIGKILL)
         elif scenario in ("node", "spare"):
             victim.signal_all(signal.SIGKILL, cluster.workers_of("b"))
-        else:
+        elif scenario == "frozen":
             victim.signal_all(signal.SIGSTOP, cluster.workers_of("b"))
         detected = _wait_gone(survivor_workers, fault + give_up)
         try:
@@ -148,7 +161,7 @@ def table(runs: list[dict[str, Any]], give_up: float) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--scenarios", default="worker,node,frozen,spare")
+    p.add_argument("--scenarios", default="worker,node,frozen,spare,hung")
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
     p.add_argument("--give-up", type=float, default=70.0, help="seconds after the fault (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write every run here")
