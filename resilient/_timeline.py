@@ -115,8 +115,10 @@ def recoveries(timeline: Timeline) -> list[dict[str, Any]]:
     out = []
     for prev, inc in zip(timeline.incarnations, timeline.incarnations[1:]):
         last_step = prev.steps[-1] if prev.steps else (prev.restored, prev.started)
-        fault = next((n for n in timeline.notes if n["event"] == "fault" and n["t"] >= last_step[1]
-                      and (inc.restored_at is None or n["t"] <= inc.restored_at)), None)
+        # the fault that ended ``prev`` (the old gang may finish a step after it)
+        faults = [n for n in timeline.notes if n["event"] == "fault" and prev.started <= n["t"]
+                  and (inc.restored_at is None or n["t"] <= inc.restored_at)]
+        fault = faults[-1] if faults else None
         detected = next((n for n in timeline.notes if n["event"] == "membership_change"
                          and n["t"] >= last_step[1]), None)
         formed = next((n for n in timeline.notes if n["event"] == "round_formed"
@@ -188,7 +190,7 @@ def render_text(timeline: Timeline) -> str:
         for key, label in (("fault_at", "fault"), ("detected_at", "detected"), ("round_formed_at", "round formed"),
                            ("restored_at", f"restored step {r['restored']}"), ("first_step_at", "first step")):
             if r[key] is not None:
-                parts.append(f"{label} +{r[key] - r['last_step_at']:.2f} s")
+                parts.append(f"{label} {r[key] - r['last_step_at']:+.2f} s")
         out.append("recovery: " + ", ".join(parts))
     return "\n".join(out)
 

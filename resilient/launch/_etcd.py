@@ -23,7 +23,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +124,7 @@ class Etcd:
             return result
         raise EtcdUnavailable(f"etcd at {self.spec} is unreachable: {last}")
 
-    def url(self) -> str:
+    def watch_url(self) -> str:
         protocol, host, port = self._endpoints[self._current]
         return f"{protocol}://{host}:{port}/v3/watch"
 
@@ -150,9 +150,6 @@ class Etcd:
         if lease:
             body["lease"] = lease
         self._call("/kv/put", body)
-
-    def delete_prefix(self, prefix: str) -> None:
-        self._call("/kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
 
     def transact(self, compares: Iterable[dict[str, Any]], puts: Iterable[tuple[str, bytes | str, int]]) -> bool:
         """Apply every put (key, value, lease) iff every compare holds; True when applied.
@@ -204,12 +201,11 @@ class LeaseKeeper:
     as if it had: stop its workers, commit nothing).
     """
 
-    def __init__(self, etcd: Etcd, ttl: int, on_lost: Callable[[], None] | None = None) -> None:
+    def __init__(self, etcd: Etcd, ttl: int) -> None:
         self.etcd = etcd
         self.ttl = ttl
         self.lease = etcd.grant(ttl)
         self.lost = threading.Event()
-        self._on_lost = on_lost
         self._stop = threading.Event()
         self._last_ok = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="resilient-lease", daemon=True)
@@ -235,8 +231,6 @@ class LeaseKeeper:
     def _declare_lost(self) -> None:
         log.error("etcd lease %x lost: this node is fenced out of the gang", self.lease)
         self.lost.set()
-        if self._on_lost is not None:
-            self._on_lost()
 
     def close(self, revoke: bool = True) -> None:
         self._stop.set()
@@ -264,7 +258,6 @@ class PrefixMirror:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._response: requests.Response | None = None
-        self._synced = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="resilient-watch", daemon=True)
         self._thread.start()
 
@@ -282,9 +275,6 @@ class PrefixMirror:
         with self._cond:
             self._cond.wait_for(lambda: self._version != version or self._stop.is_set(), timeout)
             return self._version
-
-    def wait_synced(self, timeout: float) -> bool:
-        return self._synced.wait(timeout)
 
     def resync(self) -> None:
         """Break the current stream (it may sit on a dead connection); the loop lists again.
@@ -324,7 +314,6 @@ class PrefixMirror:
             try:
                 kvs, revision = self.etcd.get_prefix(self.prefix)
                 self._replace(kvs)
-                self._synced.set()
                 self._stream(session, revision + 1)
             except Exception as exc:  # noqa: BLE001 - any break means: list and watch again
                 if not self._stop.is_set():
@@ -335,7 +324,7 @@ class PrefixMirror:
         request = {"create_request": {
             "key": _b64(self.prefix), "range_end": _b64(prefix_end(self.prefix)),
             "start_revision": start_revision}}
-        with session.post(self.etcd.url(), json=request, stream=True,
+        with session.post(self.etcd.watch_url(), json=request, stream=True,
                           timeout=(self.etcd.timeout, None)) as response:
             self._response = response
             for line in response.iter_lines():

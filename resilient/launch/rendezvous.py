@@ -128,7 +128,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._mirror = PrefixMirror(etcd, self.prefix)
         self._server: TCPStore | None = None        # the store this agent offers or hosts
         self._running: Round | None = None          # the round our workers run in
-        self._running_revision = 0
         self.last_change: str = ""                  # why num_nodes_waiting() last said "restart"
         self._detected_at: float | None = None      # when last_change was first seen
         self._reported_lost: set[str] = set()
@@ -321,7 +320,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._server = None  # another agent hosts this round's store
             store = TCPStore(host, int(port), is_master=False,
                              timeout=timedelta(seconds=self.conf["store_timeout"]))
-        self._running, self._running_revision = state, revision
+        self._running = state
         since = self._detected_at or self._joining_since
         self.events.emit("round_formed", round=state.number, nodes=len(state.members), group_rank=rank,
                          members=state.members, reform_s=round(time.monotonic() - since, 6))
