@@ -4,6 +4,7 @@ The public surface is deliberately small; everything else lives in ``_``-prefixe
 """
 
 from ._checkpointer import Checkpointer
+from ._elastic import HangError, PeerFailure, elastic
 from ._errors import (
     CheckpointCorruptError,
     CommitError,
@@ -19,6 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",
+    "elastic",
+    "PeerFailure",
+    "HangError",
     "SaveHandle",
     "ResilientError",
     "StateError",

@@ -8,15 +8,16 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 
 from ._catalog import Catalog
 from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
 from ._events import EventLog
-from ._format import REMOTE_RECORD
+from ._format import MANIFEST, REMOTE_RECORD, data_file_name, decode_manifest, step_dir_name
 from ._local import LocalTier
+from ._peer_memory import PeerMemory
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import load_checkpoint
 from ._rng import apply_rng, capture_rng
@@ -110,6 +111,9 @@ class Checkpointer:
         events: str | None = None,
         commit_timeout: float | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        _memory: PeerMemory | None = None,
+        _on_hang: Callable[[float, float], None] | None = None,
+        _generation: int | None = None,
     ) -> None:
         if compress not in _CODECS:
             raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
@@ -146,12 +150,16 @@ class Checkpointer:
                 log.info("resilient: removed leftover of an uncommitted save: %s", path)
         self._coord.barrier()
 
-        self._events = EventLog(events or os.environ.get("RESILIENT_EVENT_LOG") or None, self._coord.rank)
+        # in-process recoveries (see ``_elastic``) keep the process: the generation tells
+        # one incarnation of the gang from the next in the event log
+        extra = {} if _generation is None else {"gen": _generation}
+        self._events = EventLog(events or os.environ.get("RESILIENT_EVENT_LOG") or None, self._coord.rank, **extra)
+        self._memory = _memory
         self._staging = Staging()
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
         self._reported_first_step = False
-        self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit)
+        self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit, _on_hang)
         self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
                                        on_fire=lambda kind, step: self._events.emit("fault", kind=kind, step=step))
         self._inflight: SaveHandle | None = None
@@ -269,11 +277,19 @@ class Checkpointer:
 
     def _count(self, handle: SaveHandle) -> None:
         self.stats["saves_committed" if handle.committed else "saves_failed"] += 1
+        if handle.committed and self._memory is not None:
+            self._replicate(handle.step)
         took = round((handle.committed_at or 0.0) - handle.started, 6)
         if handle.committed:
             self._events.emit("save_committed", step=handle.step, tier="local", seconds=took, bytes=handle.nbytes)
         else:
             self._events.emit("save_failed", step=handle.step, seconds=took, error=str(handle._error))
+
+    def _replicate(self, step: int) -> None:
+        """Send this rank's file of ``step`` (and the manifest) to a peer's memory."""
+        sdir = self._tier.step_dir(step)
+        files = {name: os.path.join(sdir, name) for name in (data_file_name(self.rank), MANIFEST)}
+        self._memory.replicate(step, {n: p for n, p in files.items() if os.path.exists(p)})
 
     def _on_uploaded(self, step: int, seconds: float | None) -> None:
         if seconds is not None and self._coord.rank == 0:  # rank 0 writes the remote commit record
@@ -357,6 +373,9 @@ class Checkpointer:
             log.warning("resilient: remote tier %s unreachable: %s: %s", self._remote.url, type(exc).__name__, exc)
             return []
 
+    def _memory_steps(self) -> set[int]:
+        return self._memory.steps() if self._memory is not None else set()
+
     def latest(self) -> int | None:
         """Step of the newest committed checkpoint on any tier (None when there is none).
         Commit records are checked here; data checksums are checked by restore."""
@@ -364,19 +383,47 @@ class Checkpointer:
         steps -= self._bad_steps
         return max(steps) if steps else None
 
-    def _fetch(self, step: int, fetched: set[int]) -> Exception | None:
-        """Leader: make every file of ``step`` present locally, downloading only what is
-        missing from the remote tier. Returns the failure, if any."""
-        if self._remote is None or not self._coord.is_leader:
+    def _from_memory(self, step: int) -> bool:
+        """Leader: fill in files of ``step`` missing locally from peers' memory (manifest
+        last, when the step is not committed here); True when the step is then complete."""
+        sdir = step_dir_name(step)
+        if step in self._tier.committed_steps():
+            manifest = self._tier.read_manifest(step)
+        else:
+            raw = self._memory.fetch(step, [MANIFEST]).get(MANIFEST)
+            if raw is None:
+                return False
+            manifest = decode_manifest(raw, f"peer memory: {sdir}/{MANIFEST}")
+        storage = self._local_storage
+        missing = [name for name, record in manifest["files"].items()
+                   if not (storage.exists(f"{sdir}/{name}") and storage.size(f"{sdir}/{name}") == record["bytes"])]
+        found = self._memory.fetch(step, missing)
+        for name, data in found.items():
+            storage.write(f"{sdir}/{name}", [data])
+        if len(found) < len(missing):
+            return False
+        if step not in self._tier.committed_steps():
+            storage.write(f"{sdir}/{MANIFEST}", [raw])
+        return True
+
+    def _fetch(self, step: int, fetched: dict[int, str]) -> Exception | None:
+        """Leader: make every file of ``step`` present locally, taking what is missing from
+        peers' memory, then from the remote tier. Returns the failure, if any."""
+        if (self._remote is None and self._memory is None) or not self._coord.is_leader:
             return None
         try:
             local_has = step in self._tier.committed_steps()
             if local_has and has_all_files(self._local_catalog, self._tier.read_manifest(step)):
                 return None
+            if self._memory is not None and self._from_memory(step):
+                fetched[step] = "memory"
+                return None
+            if self._remote is None:
+                raise CheckpointCorruptError(f"files of step {step} are neither here nor in a peer's memory")
             t0 = time.perf_counter()
             moved = copy_step(Catalog(self._remote), self._local_catalog.storage, step, skip_present=True,
                               workers=8)
-            fetched.add(step)
+            fetched[step] = "remote"
             log.info("resilient: fetched step %d from %s (%d bytes in %.2f s)", step, self._remote.url, moved,
                      time.perf_counter() - t0)
             return None
@@ -400,11 +447,12 @@ class Checkpointer:
         coord = self._coord
         ceiling: int | None = None
         started = time.perf_counter()
-        fetched_steps: set[int] = set()
+        fetched_steps: dict[int, str] = {}  # step -> tier it was completed from
         touched = False  # a failed load may have written into the state already
         refetched: set[int] = set()  # steps whose damaged local copy was replaced from remote
         while True:
-            steps = sorted((set(self._tier.committed_steps()) | set(self._remote_steps())) - self._bad_steps)
+            steps = sorted((set(self._tier.committed_steps()) | set(self._remote_steps()) | self._memory_steps())
+                           - self._bad_steps)
             if ceiling is not None:
                 steps = [s for s in steps if s < ceiling]
             step = coord.agree_min(steps[-1] if steps else -1)
@@ -458,7 +506,7 @@ class Checkpointer:
                 apply_rng(rng)
             self._reported_first_step = False
             self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),
-                              source="remote" if step in fetched_steps else "local")
+                              source=fetched_steps.get(step, "local"))
             return step
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -487,6 +535,21 @@ class Checkpointer:
             if not self._writer.stop(timeout=timeout):
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._read_pool.shutdown()
+
+    def abandon(self) -> None:
+        """Stop at once after a failure of the gang: in-flight saves need peers that may be
+        gone and are left uncommitted (the next Checkpointer on this root removes their
+        leftovers); the background threads are daemons and wind down on their own."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.close()
+        if self._uploader is not None:
+            self._uploader.close(wait=False)
+        self._events.close()
+        self._writer.stop(timeout=0)
+        self._read_pool.shutdown(wait=False)
 
     def _pause_watchdog(self) -> None:
         # restoring and waiting for commits are not steps: a long one is not a hang

@@ -97,11 +97,12 @@ class Uploader:
                     )
                 self._cond.wait(left if left is None else min(left, 0.5))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+        if wait:
+            self._thread.join(timeout=5)
 
     # -- the thread ---------------------------------------------------------------------------
     def _retrying(self, what: str, fn: Callable[[], object]) -> bool:

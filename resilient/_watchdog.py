@@ -87,7 +87,10 @@ def exit_on_hang(rank: int, emit: Callable[..., None]) -> Callable[[float, float
     return react
 
 
-def from_env(rank: int, emit: Callable[..., None]) -> HangWatchdog | None:
+def from_env(rank: int, emit: Callable[..., None],
+             on_hang: Callable[[float, float], None] | None = None) -> HangWatchdog | None:
+    """The watchdog ``RESILIENT_HANG_TIMEOUT`` asks for; ``on_hang`` replaces exiting (an
+    in-process recovery interrupts the step instead)."""
     raw = os.environ.get("RESILIENT_HANG_TIMEOUT", "").strip()
     if not raw:
         return None
@@ -95,4 +98,4 @@ def from_env(rank: int, emit: Callable[..., None]) -> HangWatchdog | None:
         floor = float(raw)
     except ValueError:
         raise ValueError(f"RESILIENT_HANG_TIMEOUT must be seconds, got {raw!r}") from None
-    return HangWatchdog(floor, exit_on_hang(rank, emit))
+    return HangWatchdog(floor, on_hang or exit_on_hang(rank, emit))
