@@ -199,7 +199,7 @@ class ElasticRuntime:
                         memory_address=memory.address if memory else "")
         try:
             gen = group.form(None)
-            while True:
+            while gen is not None:
                 self._init_process_group(group, gen)
                 if memory is not None:
                     memory.set_peers([m.address for m in gen.members if m.address], _partner(gen))
@@ -217,6 +217,8 @@ class ElasticRuntime:
                     group.report_failure(gen, f"{type(exc).__name__}: {exc}")
                     self._count_recovery(exc, rank=gen.rank, gen=gen.number)
                     gen = group.form(gen)
+                    if gen is None:
+                        break
                     self._events.emit("regrouped", rank=gen.rank, gen=gen.number, world_size=gen.world_size,
                                       seconds=round(time.time() - started, 6))
                     continue
@@ -224,6 +226,8 @@ class ElasticRuntime:
                 group.finish(gen)
                 _destroy_process_group()
                 return result
+            log.info("resilient: the gang finished the job before this process could join it")
+            return None
         finally:
             _destroy_process_group()
             group.close()

@@ -126,11 +126,12 @@ class Regroup:
         self._beat.start()
 
     # -- forming a generation -----------------------------------------------------------------
-    def form(self, previous: Generation | None) -> Generation:
-        """Join the next generation (the first one, or after ``previous`` failed); return it."""
+    def form(self, previous: Generation | None) -> Generation | None:
+        """Join the next generation (the first one, or after ``previous`` failed); return it,
+        or None when the job already finished (a replacement that arrived too late)."""
         self._watching = None
         if self._store.check(["finished"]):
-            raise RegroupError("the job already finished")
+            return None
         if previous is not None:
             target = previous.number + 1
             self._rank = previous.rank

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from .launch import REPO
 
 TRAIN = os.path.join(REPO, "tests", "elastic_train.py")
+TRAIN_IN_PROCESS = os.path.join(REPO, "tests", "inprocess_train.py")  # @resilient.elastic
 
 
 @dataclass
@@ -74,6 +75,9 @@ class Cluster:
     launcher: list[str] = field(default_factory=lambda: [sys.executable, "-m", "resilient.launch.run"])
     rdzv: list[str] | None = None  # rendezvous flags (default: etcd-v3 at ``endpoint``)
     max_restarts: int = 3
+    script: str = TRAIN
+    nproc: int = 1
+    use_remote: bool = True  # pass --remote (the object-store tier) to the script
     nodes: list[Node] = field(default_factory=list)
 
     @property
@@ -90,9 +94,10 @@ class Cluster:
         env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": os.path.join(self.tmp, name),
                "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESILIENT_COMMIT_TIMEOUT": "20", **(env or {})}
         rdzv = rdzv or self.rdzv or etcd_v3_flags(self.endpoint, self.run_id)
-        cmd = [*self.launcher, f"--nnodes={self.nnodes}", "--nproc-per-node=1", *rdzv,
+        remote = ["--remote", self.remote] if self.use_remote else []
+        cmd = [*self.launcher, f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc}", *rdzv,
                f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1",
-               *(extra or []), TRAIN, "--events", self.events_path, "--remote", self.remote,
+               *(extra or []), self.script, "--events", self.events_path, *remote,
                "--steps", str(self.steps), "--every", str(self.every), "--step-time", str(self.step_time),
                *(script_args or [])]
         with open(log_path, "wb") as log:

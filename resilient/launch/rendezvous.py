@@ -127,6 +127,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keeper: LeaseKeeper | None = None
         self._mirror = PrefixMirror(etcd, self.prefix)
         self._server: TCPStore | None = None        # the store this agent offers or hosts
+        # set by the agent while its workers re-form in-process without the lost nodes
+        self.ignore_lost = False
         self._running: Round | None = None          # the round our workers run in
         self.last_change: str = ""                  # why num_nodes_waiting() last said "restart"
         self._detected_at: float | None = None      # when last_change was first seen
@@ -188,7 +190,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return self._restart("new_round", f"round {current.number} opened", max(1, len(current.joined)))
         alive = self._alive(kvs)
         lost = self._report_lost(alive)
-        if lost:
+        if lost and not self.ignore_lost:
             return self._restart("lost", f"lost {', '.join(lost)}", len(lost))
         if len(self._running.members) < self.max_nodes:
             waiting = [n for n in alive if n not in self._running.members]

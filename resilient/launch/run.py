@@ -26,6 +26,8 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+from .._regroup import ENV as REGROUP_ENV
+from ._inprocess import InProcessRecovery
 from .rendezvous import BACKEND, EtcdV3RendezvousHandler, create_handler
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,18 @@ GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_orphan_guard.
 
 
 class ResilientAgent(LocalElasticAgent):
-    """torch's local agent, plus orphan-proof workers and peer-loss-aware failure handling."""
+    """torch's local agent, plus orphan-proof workers and peer-loss-aware failure handling.
+
+    For workers written with ``@resilient.elastic`` it also hosts (on the rank-0 node) the
+    store in which they re-form in-process (see ``resilient._regroup``), and changes what a
+    worker's death means: the survivors carry on (torch would kill them), the dead worker is
+    marked dead in the store at once so that they need not wait for its heartbeat to go
+    stale, and a node left without workers starts new ones that join the running gang,
+    without a new rendezvous. Only when that store is unreachable does the usual restart
+    of every worker through a new rendezvous happen.
+    """
+
+    _regroup: InProcessRecovery | None = None
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         handler = self._worker_group.spec.rdzv_handler
@@ -45,21 +58,62 @@ class ResilientAgent(LocalElasticAgent):
             handler.close_on_shutdown = not result.is_failed()
         return result
 
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        if self._regroup is not None:
+            self._regroup.close()
+        self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank)
+        os.environ[REGROUP_ENV] = self._regroup.address  # workers inherit the agent's environment
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, object]:
         spec = worker_group.spec
         if isinstance(spec.entrypoint, str) and not getattr(spec, "_orphan_guarded", False):
             spec.args = ("-S", GUARD, str(os.getpid()), spec.entrypoint, *spec.args)
             spec.entrypoint = sys.executable
             spec._orphan_guarded = True  # type: ignore[attr-defined]
-        return super()._start_workers(worker_group)
+        ids = super()._start_workers(worker_group)
+        if self._regroup is not None:
+            self._regroup.keep_survivors(self._pcontext)
+        return ids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        handler = worker_group.spec.rdzv_handler
+        regroup = self._regroup
+        if regroup is not None and isinstance(handler, EtcdV3RendezvousHandler):
+            # a lost node's workers were already replaced in-process by the survivors
+            handler.ignore_lost = regroup.active()
         if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             return result
-        handler = worker_group.spec.rdzv_handler
+        if regroup is not None and regroup.active():
+            return self._absorb(worker_group, result, regroup)
         if not isinstance(handler, EtcdV3RendezvousHandler):
             return result
+        return self._explained_by_membership(worker_group, handler, result)
+
+    def _absorb(self, worker_group: WorkerGroup, result: RunResult, regroup: "InProcessRecovery") -> RunResult:
+        """A worker died but the gang recovers in-process: keep the survivors."""
+        running = regroup.running(self._pcontext)
+        for failure in result.failures.values():
+            regroup.mark_dead(failure.pid)
+        if running:
+            return RunResult(state=WorkerState.HEALTHY)
+        if regroup.finished():  # the others completed the job without this node's workers
+            return RunResult(state=WorkerState.SUCCEEDED,
+                             return_values={w.global_rank: None for w in worker_group.workers})
+        if self._remaining_restarts <= 0:
+            return result
+        self._remaining_restarts -= 1
+        log.warning("every local worker is gone; starting new ones to join the running gang (%d restarts left)",
+                    self._remaining_restarts)
+        self._stop_workers(worker_group)
+        for local_rank, worker_id in self._start_workers(worker_group).items():
+            worker_group.workers[local_rank].id = worker_id
+        worker_group.state = WorkerState.HEALTHY
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _explained_by_membership(self, worker_group: WorkerGroup, handler: EtcdV3RendezvousHandler,
+                                 result: RunResult) -> RunResult:
         # Workers fail at once when a peer's connection resets, seconds before etcd expires
         # the lost node's lease. With restarts left, the normal path re-forms the gang; with
         # none left, wait one lease TTL for the membership change that would explain it.

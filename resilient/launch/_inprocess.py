@@ -1,0 +1,111 @@
+"""The agent's half of in-process recovery (the workers' half is ``resilient._elastic``).
+
+Per rendezvous round the rank-0 agent hosts a small TCPStore in which the round's worker
+processes re-form their gang without being restarted, and every agent learns its address
+through the round's rendezvous store. The address ends in a random token, so that workers
+of an earlier round never read this round's keys. Agents write into it only what they know
+first: that one of their workers died.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.multiprocessing.api import RunProcsResult
+
+from .._peer_memory import interface_towards
+from .._regroup import parse_address
+
+__all__ = ["InProcessRecovery"]
+
+log = logging.getLogger(__name__)
+
+KEY = "resilient/regroup_store"
+
+
+def _tcp_store(store: Store) -> Any:
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class InProcessRecovery:
+    def __init__(self, address: str, server: TCPStore | None) -> None:
+        self.address = address
+        self._server = server  # held by the rank-0 agent: the store lives as long as it does
+        host, port, token = parse_address(address)
+        self._store = PrefixStore(f"{token}/", TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                                        timeout=timedelta(seconds=30)))
+        self._active = False
+        self._marked: set[int] = set()
+
+    @classmethod
+    def for_round(cls, round_store: Store, group_rank: int) -> "InProcessRecovery":
+        """Host (rank 0) or look up this round's regroup store."""
+        if group_rank == 0:
+            base = _tcp_store(round_store)
+            host = interface_towards(getattr(base, "host", "127.0.0.1"), getattr(base, "port", 1))
+            server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            address = f"{host}:{server.port}/{secrets.token_hex(8)}"
+            round_store.set(KEY, address)
+            return cls(address, server)
+        return cls(round_store.get(KEY).decode(), None)
+
+    def active(self) -> bool:
+        """Whether this round's workers recover in-process (they say so when they start)."""
+        if not self._active:
+            try:
+                self._active = self._store.check(["elastic"])
+            except Exception:  # the store's host is gone: in-process recovery is over
+                return False
+        return self._active
+
+    def mark_dead(self, pid: int) -> None:
+        """Tell the survivors at once (they would otherwise wait for its heartbeat to stop)."""
+        if pid in self._marked:
+            return
+        self._marked.add(pid)
+        try:
+            self._store.set(f"dead/{socket.gethostname()}:{pid}", "1")
+        except Exception as exc:
+            log.warning("could not mark worker %d dead in the regroup store: %s", pid, exc)
+
+    def finished(self) -> bool:
+        try:
+            return self._store.check(["finished"])
+        except Exception:
+            return False
+
+    @staticmethod
+    def running(pcontext: Any) -> bool:
+        return bool(getattr(pcontext, "_running_local_ranks", None))
+
+    def keep_survivors(self, pcontext: Any) -> None:
+        """torch's process context terminates every local worker as soon as one fails;
+        while the workers recover in-process, report the failure and keep the others."""
+        needed = ("_poll", "_capture_process_failures", "_running_local_ranks", "_failures")
+        if not all(hasattr(pcontext, name) for name in needed):
+            return  # not a subprocess context: the usual restart applies
+        original = pcontext._poll
+
+        def poll() -> RunProcsResult | None:
+            if not self.active():
+                return original()
+            done: set[int] = set()
+            pcontext._capture_process_failures(done)
+            pcontext._running_local_ranks.difference_update(done)
+            if not pcontext._running_local_ranks:
+                return original()  # everyone is done: torch's bookkeeping and close
+            if pcontext._failures:
+                return RunProcsResult(failures=dict(pcontext._failures))
+            return None
+
+        pcontext._poll = poll
+
+    def close(self) -> None:
+        self._server = None

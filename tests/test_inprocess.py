@@ -1,0 +1,98 @@
+"""``@resilient.elastic``: in-process recovery under ``resilient-run``, and alone.
+
+Real agents (simulated nodes), real etcd, real SIGKILLs. The training script
+(``tests/inprocess_train.py``) trains every rank on the same batch per step, so its weights
+do not depend on the world size; each run's final weight digest is compared with the digest
+of one uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .launch import REPO
+from .nodes import TRAIN_IN_PROCESS, c10d_flags
+from resilient.devservices import free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 100
+
+
+def run_alone(root: str, events: str, env: dict[str, str] | None = None, steps: int = STEPS) -> None:
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in ("WORLD_SIZE", "RANK", "RESILIENT_REGROUP_STORE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, TRAIN_IN_PROCESS, "--root", root, "--events", events,
+                           "--steps", str(steps), "--step-time", "0.01"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, str]:
+    """Weight digest after every step of an uninterrupted single-process run."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run_alone(str(tmp / "ckpt"), str(tmp / "events.jsonl"))
+    return {e["step"]: e["digest"] for e in read(str(tmp / "events.jsonl")) if e["event"] == "step"}
+
+
+def in_process_cluster(cluster, *, nodes: int = 2, use_remote: bool = False):
+    cluster.script = TRAIN_IN_PROCESS
+    cluster.steps, cluster.every, cluster.step_time = STEPS, 5, 0.05
+    cluster.use_remote = use_remote
+    cluster.nnodes = f"1:{nodes}"
+    return cluster
+
+
+def resilient_events(path: str) -> list[dict]:
+    return read(path) if os.path.exists(path) else []
+
+
+def check_against_reference(events: list[dict], reference: dict[int, str]) -> None:
+    """Every step any incarnation reported, and every restore, has the reference weights."""
+    for e in events:
+        if e["event"] == "step":
+            assert e["digest"] == reference[e["step"]], f"step {e['step']} on rank {e['rank']} differs"
+        if e["event"] == "start" and e["restored"]:
+            assert e["digest"] == reference[e["restored"]], f"restored step {e['restored']} differs"
+    done = [e for e in events if e["event"] == "done"]
+    assert done and all(e["digest"] == reference[STEPS] for e in done)
+
+
+def start_nodes(cluster, env: dict[str, str], rdzv: list[str] | None = None, names=("a", "b")) -> list:
+    log = os.path.join(cluster.tmp, "resilient-events.jsonl")
+    env = {"RESILIENT_EVENT_LOG": log, "RESILIENT_FAULT_DIR": os.path.join(cluster.tmp, "faults"), **env}
+    return [cluster.start(n, env=env, rdzv=rdzv) for n in names]
+
+
+def test_killed_worker_recovers_in_process_from_peer_memory(cluster, reference):
+    """Rank 1's only worker is SIGKILLed at step 12: rank 0's process carries on at world 1
+    without restarting, restoring step 10 with rank 1's file from its own memory (no remote
+    tier); node b's agent then starts a new worker that joins the running gang."""
+    in_process_cluster(cluster)
+    nodes = start_nodes(cluster, {"RESILIENT_FAULT": "kill:rank=1,step=12"})
+    for node in nodes:
+        assert node.wait(180) == 0, node.log()[-3000:]
+    events = cluster.events()
+    check_against_reference(events, reference)
+    starts = [e for e in events if e["event"] == "start"]
+    first_pid = {e["rank"]: e["pid"] for e in starts if e["restored"] == 0}
+    survivor = [e for e in starts if e["pid"] == first_pid[0] and e["restored"] == 10]
+    assert survivor, f"rank 0's process did not recover in-process: {starts}"
+    assert any(e["world"] == 1 for e in survivor), starts
+    log = resilient_events(os.path.join(cluster.tmp, "resilient-events.jsonl"))
+    restored = [e for e in log if e["event"] == "restored" and e["pid"] == first_pid[0] and e["step"] == 10]
+    assert restored and restored[0]["source"] == "memory", restored
+    # the replacement on node b joined the running gang: world 2 again, a new pid
+    assert any(e["world"] == 2 and e["pid"] not in first_pid.values() for e in starts), starts
