@@ -113,8 +113,8 @@ class Regroup:
         self.stale_s, self.join_grace_s, self.timeout = stale_s, join_grace_s, timeout
         try:
             # two clients: the heartbeat thread never waits behind the main thread's requests
-            self._store = dist.PrefixStore(f"{token}/", _connect(host, port, 30.0))
-            self._beat_store = dist.PrefixStore(f"{token}/", _connect(host, port, 30.0))
+            self._store = dist.PrefixStore(f"{token}/", _connect(host, port, 10.0))
+            self._beat_store = dist.PrefixStore(f"{token}/", _connect(host, port, 10.0))
         except Exception as exc:
             raise RegroupError(f"cannot reach the regroup store at {host}:{port}: {exc}") from exc
         self._rank = rank

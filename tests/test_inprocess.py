@@ -96,3 +96,72 @@ def test_killed_worker_recovers_in_process_from_peer_memory(cluster, reference):
     assert restored and restored[0]["source"] == "memory", restored
     # the replacement on node b joined the running gang: world 2 again, a new pid
     assert any(e["world"] == 2 and e["pid"] not in first_pid.values() for e in starts), starts
+
+
+def same_processes(events: list[dict]) -> set[int]:
+    return {e["pid"] for e in events if e["event"] in ("start", "step", "done")}
+
+
+def test_raise_recovers_in_process_at_the_same_world_size_under_c10d(cluster, reference):
+    """An exception on rank 1 at step 12 (c10d rendezvous this time): both processes
+    re-form at world 2 and restore step 10; no process is restarted."""
+    in_process_cluster(cluster)
+    rdzv = c10d_flags(f"127.0.0.1:{free_port()}", cluster.run_id)
+    a = cluster.start("a", env={"RESILIENT_FAULT": "raise:rank=1,step=12",
+                                "RESILIENT_FAULT_DIR": os.path.join(cluster.tmp, "faults")},
+                      rdzv=rdzv + ["--rdzv-conf=is_host=1"])
+    b = cluster.start("b", env={"RESILIENT_FAULT": "raise:rank=1,step=12",
+                                "RESILIENT_FAULT_DIR": os.path.join(cluster.tmp, "faults")},
+                      rdzv=rdzv + ["--rdzv-conf=is_host=0"])
+    for node in (a, b):
+        assert node.wait(180) == 0, node.log()[-3000:]
+    events = cluster.events()
+    check_against_reference(events, reference)
+    assert len(same_processes(events)) == 2, "a process was restarted"
+    restarts = [e for e in events if e["event"] == "start" and e["restored"] == 10]
+    assert sorted(e["world"] for e in restarts) == [2, 2], restarts
+
+
+def test_hung_rank_is_interrupted_and_recovers_in_process(cluster, reference):
+    """Rank 1 stops making progress at step 12 (RESILIENT_HANG_TIMEOUT=2): its step is
+    interrupted, its peer's collective is cut, and both re-form at world 2 in-process."""
+    in_process_cluster(cluster)
+    nodes = start_nodes(cluster, {"RESILIENT_FAULT": "hang:rank=1,step=12", "RESILIENT_HANG_TIMEOUT": "2"})
+    for node in nodes:
+        assert node.wait(180) == 0, node.log()[-3000:]
+    events = cluster.events()
+    check_against_reference(events, reference)
+    assert len(same_processes(events)) == 2, "a process was restarted"
+    log = resilient_events(os.path.join(cluster.tmp, "resilient-events.jsonl"))
+    assert any(e["event"] == "hang_detected" for e in log)
+    details = [e["detail"] for e in log if e["event"] == "failure_detected"]
+    assert any(d.startswith("HangError") for d in details), details
+
+
+def test_lost_store_host_falls_back_to_a_process_restart(cluster, reference):
+    """Node a (rank 0: its agent hosts the regroup store) is SIGKILLed: node b's worker
+    cannot re-form in-process, exits, and its agent restarts it through a new etcd round,
+    restoring from the remote tier."""
+    in_process_cluster(cluster, use_remote=True)
+    a, b = start_nodes(cluster, {})
+    cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 12, 120, "step 12")
+    starts = [e for e in cluster.events() if e["event"] == "start"]
+    first = {e["node"]: e["pid"] for e in starts}
+    host = next(e["node"] for e in starts if e["rank"] == 0)  # its agent hosts the regroup store
+    survivor = b if host == "a" else a
+    (a if host == "a" else b).kill()
+    assert survivor.wait(180) == 0, survivor.log()[-3000:]
+    events = cluster.events()
+    check_against_reference(events, reference)
+    late = [e for e in events if e["event"] == "start" and e["node"] == survivor.name and e["restored"] > 0]
+    assert late and late[-1]["pid"] != first[survivor.name] and late[-1]["world"] == 1, late
+
+
+def test_single_process_without_a_launcher_reruns_the_function(tmp_path, reference):
+    """No launcher: an exception re-runs the function in the same process, from step 10."""
+    events = str(tmp_path / "events.jsonl")
+    run_alone(str(tmp_path / "ckpt"), events, env={"RESILIENT_FAULT": "raise:rank=0,step=12"})
+    got = read(events)
+    check_against_reference(got, reference)
+    assert len(same_processes(got)) == 1
+    assert [e["restored"] for e in got if e["event"] == "start"] == [0, 10]

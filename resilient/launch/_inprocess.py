@@ -41,7 +41,7 @@ class InProcessRecovery:
         host, port, token = parse_address(address)
         self._store = PrefixStore(f"{token}/", TCPStore(host, port, is_master=False, wait_for_workers=False,
                                                         timeout=timedelta(seconds=30)))
-        self._active = False
+        self._broken = False  # the store's host is gone: in-process recovery is over this round
         self._marked: set[int] = set()
 
     @classmethod
@@ -57,13 +57,16 @@ class InProcessRecovery:
         return cls(round_store.get(KEY).decode(), None)
 
     def active(self) -> bool:
-        """Whether this round's workers recover in-process (they say so when they start)."""
-        if not self._active:
-            try:
-                self._active = self._store.check(["elastic"])
-            except Exception:  # the store's host is gone: in-process recovery is over
-                return False
-        return self._active
+        """Whether this round's workers recover in-process: they said so when they started,
+        and the store they recover through is still there."""
+        if self._broken:
+            return False
+        try:
+            return self._store.check(["elastic"])
+        except Exception:
+            self._broken = True
+            log.warning("the regroup store is gone: in-process recovery is over for this round")
+            return False
 
     def mark_dead(self, pid: int) -> None:
         """Tell the survivors at once (they would otherwise wait for its heartbeat to stop)."""
