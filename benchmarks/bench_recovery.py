@@ -1,7 +1,10 @@
 """Recovery after faults: resilient-run + etcd-v3 against torchrun + c10d, in one run.
 
 Two (or three) agents on this machine stand for nodes; each runs the same small DDP
-script (``tests/elastic_train.py``: gloo, a checkpoint every 5 steps, 0.05 s per step).
+script (gloo, a checkpoint every 5 steps, 0.05 s per step): ``tests/elastic_train.py``, or,
+for the in-process rows, ``tests/inprocess_train.py`` (the same loop inside
+``@resilient.elastic``: survivors are not restarted, a lost worker's agent starts a new one
+that joins later).
 Faults, injected after training settles at world size 2:
 
 * ``worker``: SIGKILL one worker process (its agent lives);
@@ -43,11 +46,13 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.launch import free_port  # noqa: E402
-from tests.nodes import Cluster, c10d_flags, etcd_v3_flags  # noqa: E402
+from tests.nodes import TRAIN, TRAIN_IN_PROCESS, Cluster, c10d_flags, etcd_v3_flags  # noqa: E402
 from resilient.devservices import EtcdServer  # noqa: E402
 
 HUNG_AT, HANG_TIMEOUT, STEP_TIME = 60, 5, 0.05
+IN_PROCESS = "resilient-run + etcd-v3 + @resilient.elastic"
 LAUNCHERS = {
+    IN_PROCESS: [sys.executable, "-m", "resilient.launch.run"],
     "resilient-run + etcd-v3": [sys.executable, "-m", "resilient.launch.run"],
     "torchrun + c10d": [sys.executable, "-m", "torch.distributed.run"],
 }
@@ -60,10 +65,13 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         rdzv = etcd_v3_flags(etcd.endpoint, run_id, conf=None)  # the backend's defaults
     else:
         rdzv = c10d_flags(f"127.0.0.1:{free_port()}", run_id)
-    cluster = Cluster(tmp, etcd.endpoint, run_id, steps=100_000, rdzv=rdzv, launcher=LAUNCHERS[launcher])
-    env = {}
+    in_process = launcher == IN_PROCESS
+    cluster = Cluster(tmp, etcd.endpoint, run_id, steps=100_000, rdzv=rdzv, launcher=LAUNCHERS[launcher],
+                      script=TRAIN_IN_PROCESS if in_process else TRAIN)
+    log = os.path.join(tmp, "resilient-events.jsonl")
+    env = {"RESILIENT_EVENT_LOG": log}
     if scenario == "hung":  # rank 1 stops inside step 60; only resilient-run's runs watch for hangs
-        env = {"RESILIENT_FAULT": f"hang:rank=1,step={HUNG_AT}"}
+        env["RESILIENT_FAULT"] = f"hang:rank=1,step={HUNG_AT}"
         if launcher.startswith("resilient"):
             env["RESILIENT_HANG_TIMEOUT"] = str(HANG_TIMEOUT)
     try:
@@ -90,11 +98,15 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
             victim.signal_all(signal.SIGKILL, cluster.workers_of("b"))
         elif scenario == "frozen":
             victim.signal_all(signal.SIGSTOP, cluster.workers_of("b"))
-        detected = _wait_gone(survivor_workers, fault + give_up)
+        # the gang knows it must re-form: a worker of the survivors is stopped or fails, or
+        # (in-process) reports the failure and stays
+        detected = _first_failure_reported(log, fault, give_up) if in_process else \
+            _wait_gone(survivor_workers, fault + give_up)
         try:
-            first = cluster.wait_for(lambda e: e["event"] == "step" and e["t"] > fault and e["pid"] not in
-                                     {w.pid for w in survivor_workers}, max(1.0, fault + give_up - time.time()),
-                                     "a resumed step")
+            restart = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > fault,
+                                       max(1.0, fault + give_up - time.time()), "a restored gang")
+            first = cluster.wait_for(lambda e: e["event"] == "step" and e["t"] > restart["t"]
+                                     and e["pid"] == restart["pid"], 30, "a resumed step")
             start = [e for e in cluster.events() if e["event"] == "start" and e["t"] > fault]
             restored = min(e["restored"] for e in start) if start else None
             # the furthest the old gang got, faults' last steps included
@@ -110,6 +122,18 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         }
     finally:
         cluster.close()
+
+
+def _first_failure_reported(log: str, fault: float, give_up: float) -> float | None:
+    deadline = fault + give_up
+    while time.time() < deadline:
+        if os.path.exists(log):
+            with open(log) as f:
+                times = [e["t"] for e in map(json.loads, f) if e["event"] == "failure_detected" and e["t"] >= fault]
+            if times:
+                return min(times)
+        time.sleep(0.05)
+    return None
 
 
 def _wait_gone(procs: list[psutil.Process], deadline: float) -> float | None:

@@ -72,7 +72,10 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return events
 
 
-_NOTES = {"membership_change", "round_formed", "workers_restarted", "save_failed", "fault", "hang_detected"}
+_NOTES = {"membership_change", "round_formed", "workers_restarted", "save_failed", "fault", "hang_detected",
+          "failure_detected", "regrouped"}
+_DETECTED = ("membership_change", "failure_detected")  # an agent's view, a worker's (in-process)
+_FORMED = ("round_formed", "regrouped")
 
 
 def build(events: Iterable[dict[str, Any]]) -> Timeline:
@@ -87,25 +90,27 @@ def build(events: Iterable[dict[str, Any]]) -> Timeline:
     for e in events:
         if e["event"] in _NOTES:
             notes.append(e)
-        if e.get("rank") != 0 or "pid" not in e:
+        if e.get("rank") != 0 or "pid" not in e or e["event"] in _NOTES:
             continue
-        inc = incarnations.get(e["pid"])
+        # a process recovered in-process is a new incarnation of the gang (``gen``)
+        key = (e["pid"], e.get("gen", 0))
+        inc = incarnations.get(key)
         if inc is None:
-            inc = incarnations[e["pid"]] = Incarnation(e["pid"], e["t"])
-            last_at[e["pid"]] = e["t"]
+            inc = incarnations[key] = Incarnation(e["pid"], e["t"])
+            last_at[key] = e["t"]
         if e["event"] == "restored":
             inc.restored, inc.restored_at, inc.source = e["step"], e["t"], e.get("source")
             lost = [s for s in kept if s > e["step"]]
             redone += len(lost)
             for s in lost:
                 del kept[s]
-            last_at[e["pid"]] = e["t"]
+            last_at[key] = e["t"]
         elif e["event"] == "step":
             if (inc.steps and e["step"] <= inc.steps[-1][0]) or (inc.restored_at is not None and e["step"] <= inc.restored):
                 continue  # reported twice, or the restored step itself (a save right after restore)
             inc.steps.append((e["step"], e["t"]))
-            kept[e["step"]] = e["t"] - last_at[e["pid"]]
-            last_at[e["pid"]] = e["t"]
+            kept[e["step"]] = e["t"] - last_at[key]
+            last_at[key] = e["t"]
     ordered = sorted(incarnations.values(), key=lambda i: i.started)
     return Timeline(events[0]["t"], events[-1]["t"], ordered, notes, sum(kept.values()), redone)
 
@@ -119,9 +124,9 @@ def recoveries(timeline: Timeline) -> list[dict[str, Any]]:
         faults = [n for n in timeline.notes if n["event"] == "fault" and prev.started <= n["t"]
                   and (inc.restored_at is None or n["t"] <= inc.restored_at)]
         fault = faults[-1] if faults else None
-        detected = next((n for n in timeline.notes if n["event"] == "membership_change"
+        detected = next((n for n in timeline.notes if n["event"] in _DETECTED
                          and n["t"] >= last_step[1]), None)
-        formed = next((n for n in timeline.notes if n["event"] == "round_formed"
+        formed = next((n for n in timeline.notes if n["event"] in _FORMED
                        and n["t"] >= (detected or {"t": last_step[1]})["t"]), None)
         out.append({
             "last_step_before": last_step[0], "last_step_at": last_step[1],
@@ -129,7 +134,7 @@ def recoveries(timeline: Timeline) -> list[dict[str, Any]]:
             "detected_at": detected["t"] if detected else None,
             "cause": detected.get("detail") if detected else None,
             "round_formed_at": formed["t"] if formed else None,
-            "nodes_after": formed.get("nodes") if formed else None,
+            "nodes_after": formed.get("nodes", formed.get("world_size")) if formed else None,
             "restored": inc.restored, "restored_at": inc.restored_at, "source": inc.source,
             "first_step_at": inc.first_step_at,
             "first_step": inc.steps[0][0] if inc.steps else None,
@@ -158,7 +163,10 @@ _NOTE_TEXT = {
     "membership_change": lambda n: f"detected: {n.get('detail') or n.get('cause')} {_agent(n)}",
     "workers_restarted": lambda n: f"workers restarted ({n['reason']}) {_agent(n)}",
     "fault": lambda n: f"FAULT: {n['kind']} " + (n.get("target") or f"rank {n['rank']} at step {n.get('step')}"),
-    "hang_detected": lambda n: f"rank {n['rank']} hung: no step for {n['idle_s']:.1f} s (limit {n['limit_s']:.1f} s); exiting",
+    "hang_detected": lambda n: f"rank {n['rank']} hung: no step for {n['idle_s']:.1f} s (limit {n['limit_s']:.1f} s)",
+    "failure_detected": lambda n: f"rank {n['rank']} detected a failure: {n['detail'][:100]}",
+    "regrouped": lambda n: f"re-formed in-process: generation {n['gen']}, world size {n['world_size']} "
+                           f"({n['seconds']:.2f} s)",
     "save_failed": lambda n: f"save of step {n['step']} failed: {n.get('error', '')[:120]}",
 }
 

@@ -78,6 +78,15 @@ class InProcessRecovery:
         except Exception as exc:
             log.warning("could not mark worker %d dead in the regroup store: %s", pid, exc)
 
+    def fail_generation(self, reason: str) -> None:
+        """End the running generation: its members stop their step and re-form."""
+        try:
+            if self._store.check(["latest"]):
+                latest = self._store.get("latest").decode()
+                self._store.compare_set(f"failed/{latest}", "", reason)
+        except Exception as exc:
+            log.warning("could not tell the workers to re-form: %s", exc)
+
     def finished(self) -> bool:
         try:
             return self._store.check(["finished"])

@@ -29,7 +29,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
@@ -127,8 +127,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._keeper: LeaseKeeper | None = None
         self._mirror = PrefixMirror(etcd, self.prefix)
         self._server: TCPStore | None = None        # the store this agent offers or hosts
-        # set by the agent while its workers re-form in-process without the lost nodes
+        # set by the agent while its workers re-form in-process without the lost nodes:
+        # a lost member is then theirs to handle (``on_lost`` tells them), not a new round's
         self.ignore_lost = False
+        self.on_lost: Callable[[list[str]], None] | None = None
         self._running: Round | None = None          # the round our workers run in
         self.last_change: str = ""                  # why num_nodes_waiting() last said "restart"
         self._detected_at: float | None = None      # when last_change was first seen
@@ -219,6 +221,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self.events.emit("membership_change", cause="lost", detail=f"lost {', '.join(new)}",
                              round=self._running.number if self._running else None,
                              detection_s=self.conf["lease_ttl"])
+            if self.on_lost is not None:
+                self.on_lost(new)
         return lost
 
     def wait_membership_change(self, timeout: float) -> bool:

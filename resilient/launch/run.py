@@ -62,8 +62,13 @@ class ResilientAgent(LocalElasticAgent):
         super()._rendezvous(worker_group)
         if self._regroup is not None:
             self._regroup.close()
-        self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank)
-        os.environ[REGROUP_ENV] = self._regroup.address  # workers inherit the agent's environment
+        regroup = self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank)
+        os.environ[REGROUP_ENV] = regroup.address  # workers inherit the agent's environment
+        handler = worker_group.spec.rdzv_handler
+        if isinstance(handler, EtcdV3RendezvousHandler):
+            # a frozen node resets no connection: its peers wait in a collective until told
+            handler.on_lost = lambda nodes: regroup.active() and regroup.fail_generation(
+                f"lost node(s) {', '.join(nodes)}")
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, object]:
         spec = worker_group.spec
