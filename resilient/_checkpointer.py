@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 from ._catalog import Catalog
 from ._coord import Coordinator, make_coordinator
-from ._errors import CheckpointCorruptError, CommitError, ResilientError, StateError
+from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError
 from ._events import EventLog
 from ._format import MANIFEST, REMOTE_RECORD, data_file_name, decode_manifest, step_dir_name
 from ._local import LocalTier
@@ -114,6 +114,7 @@ class Checkpointer:
         _memory: PeerMemory | None = None,
         _on_hang: Callable[[float, float], None] | None = None,
         _generation: int | None = None,
+        _join_pending: Callable[[], bool] | None = None,
     ) -> None:
         if compress not in _CODECS:
             raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
@@ -155,6 +156,7 @@ class Checkpointer:
         extra = {} if _generation is None else {"gen": _generation}
         self._events = EventLog(events or os.environ.get("RESILIENT_EVENT_LOG") or None, self._coord.rank, **extra)
         self._memory = _memory
+        self._join_pending = _join_pending  # under @resilient.elastic: a process waits to join
         self._staging = Staging()
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
@@ -235,7 +237,10 @@ class Checkpointer:
                 self._reported_first_step = True
                 self._events.emit("first_step", step=step)
             self._events.emit("step", step=step)  # progress, for timelines and goodput
-        due = force or self._save_policy.due(step, time.monotonic())
+        # a tiny collective per step, only under @resilient.elastic: every rank must agree
+        # on the step at which the gang grows
+        joining = self._join_pending is not None and bool(self._coord.agree_max(int(self._join_pending())))
+        due = force or joining or self._save_policy.due(step, time.monotonic())
         if getattr(self._save_policy, "time_based", False) and not force:
             due = self._coord.broadcast_flag(due)
         if not due:
@@ -273,6 +278,9 @@ class Checkpointer:
                 handle=handle,
             )
         )
+        if joining:
+            self.wait()
+            raise GangChange(f"a process joins the gang: step {step} is committed, re-forming")
         return handle
 
     def _count(self, handle: SaveHandle) -> None:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ._checkpointer import Checkpointer
-from ._errors import ResilientError, StateError, UnsupportedStateError
+from ._errors import GangChange, ResilientError, StateError, UnsupportedStateError
 from ._events import EventLog
 from ._peer_memory import PeerMemory, interface_towards
 from ._regroup import ENV, Generation, Regroup, RegroupError, parse_address
@@ -204,7 +204,7 @@ class ElasticRuntime:
                 if memory is not None:
                     memory.set_peers([m.address for m in gen.members if m.address], _partner(gen))
                 ckpt = Checkpointer(self.root, **self.options, _memory=memory, _on_hang=self._on_hang,
-                                    _generation=gen.number)
+                                    _generation=gen.number, _join_pending=lambda: group.join_pending)
                 group.watch(gen, lambda reason: self._fail(PeerFailure(f"the gang failed: {reason}")))
                 try:
                     with self._interruptible():
@@ -239,6 +239,9 @@ class ElasticRuntime:
         """Raise ``exc`` when no retry can help; else log and count a recovery."""
         if isinstance(exc, _FATAL) or not isinstance(exc, Exception):
             raise exc
+        if isinstance(exc, GangChange):  # planned: a process joins; not a failure
+            self._events.emit("failure_detected", detail=f"GangChange: {exc}", **fields)
+            return
         if self.recoveries >= self.max_recoveries:
             raise RegroupError(f"giving up after {self.recoveries} in-process recoveries") from exc
         self.recoveries += 1

@@ -49,3 +49,8 @@ class CommitError(ResilientError):
         self.failures = dict(failures)
         detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in sorted(self.failures.items()))
         super().__init__(f"checkpoint for step {step} was not committed ({detail})")
+
+
+class GangChange(ResilientError):
+    """Raised by ``Checkpointer.save`` under ``@resilient.elastic`` when a process asks to join
+    the gang: the step was checkpointed and committed first, so re-forming loses nothing."""

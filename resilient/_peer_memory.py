@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import socketserver
 import struct

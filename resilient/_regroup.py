@@ -14,13 +14,15 @@ after the first joiner (alive but stuck; it can join a later generation). Genera
 closes when the launcher's whole world has joined.
 
 A process that arrives after its generation closed (a replacement started by the agent)
-registers for the next one and raises the current generation's *failed* flag, which each
-member's heartbeat thread notices and turns into an interruption of its training step:
-joining is a planned failure, handled by the same code as an unplanned one.
+registers for the next one and sets the running generation's *joining* key. The members
+see it at their next ``Checkpointer.save`` (one tiny collective per step makes them agree on
+the step), commit that step and re-form with the newcomer, which restores it: growing
+loses no steps. If the members take no step for ``join_grace_s``, the newcomer raises the
+*failed* flag instead, which each member's heartbeat thread turns into an interruption.
 
 Keys (all under ``<token>/``): ``hb/<id>`` heartbeat counter, ``dead/<id>``, ``done/<id>``,
 ``join/<g>`` arrival counter with ``join/<g>/<n>`` member records, ``members/<g>``,
-``latest``, ``failed/<g>``, ``finished``, ``ready/<g>``, ``elastic``.
+``latest``, ``failed/<g>``, ``joining/<g>``, ``finished``, ``ready/<g>``, ``elastic``.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class Regroup:
             raise RegroupError(f"cannot reach the regroup store at {host}:{port}: {exc}") from exc
         self._rank = rank
         self._watching: int | None = None   # generation whose failed flag interrupts us
+        self.join_pending = False           # a newcomer waits to join the running generation
         self._on_failure: Callable[[str], None] | None = None
         self._stop = threading.Event()
         self._store.set("elastic", "1")
@@ -154,11 +157,17 @@ class Regroup:
         me = Member(self.me, self.node, self._rank, self.memory_address)
         n = self._store.add(f"join/{target}", 1)
         self._store.set(f"join/{target}/{n}", json.dumps(asdict(me)))
+        newcomer = False
         if target > 0:
-            # members of the generation before are interrupted by this flag (a replacement
-            # joining late, or a member that failed and was not noticed by a collective)
-            self._store.compare_set(f"failed/{target - 1}", "", f"{self.me} joins generation {target}")
-        previous = self._members(target - 1) if target > 0 else None
+            previous = self._members(target - 1)
+            newcomer = previous is not None and all(m.id != self.me for m in previous.members)
+            if newcomer:
+                # members checkpoint at their next step and re-form (``join_pending``)
+                self._store.set(f"joining/{target - 1}", self.me)
+            else:  # a member that failed: the others may not have noticed yet
+                self._store.compare_set(f"failed/{target - 1}", "", f"{self.me} re-forms generation {target}")
+        else:
+            previous = None
         first_join = time.monotonic()
         beats: dict[str, tuple[int, float]] = {}
         while True:
@@ -172,6 +181,10 @@ class Regroup:
                 proposal = Generation(target, members).encode()
                 self._store.compare_set(f"members/{target}", "", proposal)
                 continue  # read back whatever won
+            if newcomer and time.monotonic() - first_join > self.join_grace_s:
+                # the members are not taking steps (a long evaluation, a hang): interrupt them
+                self._store.compare_set(f"failed/{target - 1}", "", f"{self.me} waits to join generation {target}")
+                newcomer = False
             if time.monotonic() > deadline:
                 raise RegroupError(
                     f"generation {target} did not form within {self.timeout:.0f} s: "
@@ -266,6 +279,7 @@ class Regroup:
             try:
                 store.add(f"hb/{self.me}", 1)
                 watching = self._watching
+                self.join_pending = watching is not None and store.check([f"joining/{watching}"])
                 if watching is not None and store.check([f"failed/{watching}"]):
                     reason = store.get(f"failed/{watching}").decode()
                     if self._watching == watching and self._on_failure is not None:
