@@ -8,6 +8,7 @@ from ._elastic import HangError, PeerFailure, elastic
 from ._errors import (
     CheckpointCorruptError,
     CommitError,
+    GangChange,
     ResilientError,
     StateError,
     StorageError,
@@ -23,6 +24,7 @@ __all__ = [
     "elastic",
     "PeerFailure",
     "HangError",
+    "GangChange",
     "SaveHandle",
     "ResilientError",
     "StateError",

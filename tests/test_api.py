@@ -17,6 +17,10 @@ def test_public_surface_is_pinned():
             "EveryNSeconds",
             "KeepLast",
             "KeepEvery",
+            "elastic",
+            "PeerFailure",
+            "HangError",
+            "GangChange",
         ]
     )
     for name in resilient.__all__:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +28,7 @@ __all__ = ["InProcessRecovery"]
 log = logging.getLogger(__name__)
 
 KEY = "resilient/regroup_store"
+PROBE_S = 0.5
 
 
 def _tcp_store(store: Store) -> Any:
@@ -39,10 +42,41 @@ class InProcessRecovery:
         self.address = address
         self._server = server  # held by the rank-0 agent: the store lives as long as it does
         host, port, token = parse_address(address)
-        self._store = PrefixStore(f"{token}/", TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                                        timeout=timedelta(seconds=30)))
-        self._broken = False  # the store's host is gone: in-process recovery is over this round
+        self._store = PrefixStore(f"{token}/", self._client(host, port))
         self._marked: set[int] = set()
+        # The agent's monitor loop asks ``active`` every 0.1 s and must never block on a
+        # store that a partition made silent: a thread keeps the answer fresh instead.
+        self._elastic = False
+        self._last_ok = time.monotonic()
+        self._broken = False  # the store's host is gone: in-process recovery is over this round
+        self._closed = threading.Event()
+        self._prober = PrefixStore(f"{token}/", self._client(host, port))
+        threading.Thread(target=self._probe, name="resilient-regroup-probe", daemon=True).start()
+
+    @staticmethod
+    def _client(host: str, port: int) -> TCPStore:
+        return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+    def _probe(self) -> None:
+        while not self._closed.wait(PROBE_S):
+            if not self._answers(self._prober):
+                return
+            self._last_ok = time.monotonic()
+
+    def _answers(self, store: Store) -> bool:
+        """Ask the store (``elastic`` is set by the workers); False for good when it is gone."""
+        try:
+            self._elastic = store.check(["elastic"]) or self._elastic
+            return True
+        except Exception:
+            if not self._broken:
+                log.warning("the regroup store is gone: in-process recovery is over for this round")
+            self._broken = True
+            return False
+
+    def reachable(self) -> bool:
+        """Ask now (on a failure path, where a few seconds of waiting are acceptable)."""
+        return not self._broken and self._answers(self._store)
 
     @classmethod
     def for_round(cls, round_store: Store, group_rank: int) -> "InProcessRecovery":
@@ -58,15 +92,8 @@ class InProcessRecovery:
 
     def active(self) -> bool:
         """Whether this round's workers recover in-process: they said so when they started,
-        and the store they recover through is still there."""
-        if self._broken:
-            return False
-        try:
-            return self._store.check(["elastic"])
-        except Exception:
-            self._broken = True
-            log.warning("the regroup store is gone: in-process recovery is over for this round")
-            return False
+        and the store they recover through answered recently."""
+        return self._elastic and not self._broken and time.monotonic() - self._last_ok < 3 * PROBE_S + 1.0
 
     def mark_dead(self, pid: int) -> None:
         """Tell the survivors at once (they would otherwise wait for its heartbeat to stop)."""
@@ -120,4 +147,5 @@ class InProcessRecovery:
         pcontext._poll = poll
 
     def close(self) -> None:
+        self._closed.set()
         self._server = None

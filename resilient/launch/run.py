@@ -106,8 +106,8 @@ class ResilientAgent(LocalElasticAgent):
         if regroup.finished():  # the others completed the job without this node's workers
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={w.global_rank: None for w in worker_group.workers})
-        if self._remaining_restarts <= 0:
-            return result
+        if self._remaining_restarts <= 0 or not regroup.reachable():
+            return result  # the usual path: a restart through a new rendezvous round
         self._remaining_restarts -= 1
         log.warning("every local worker is gone; starting new ones to join the running gang (%d restarts left)",
                     self._remaining_restarts)
