@@ -87,7 +87,14 @@ def run(mode: str, minutes: float, fault_every: float, etcd: EtcdServer, every: 
                 next_fault += fault_every
         ended = time.time()
     finally:
+        workers = [w for node in cluster.nodes if psutil.pid_exists(node.proc.pid)
+                   for w in workers_of(psutil.Process(node.proc.pid))]
         cluster.close()
+        for w in workers:  # torchrun's workers outlive a SIGKILLed agent
+            try:
+                w.kill()
+            except psutil.Error:
+                pass
     events = [e for e in cluster.events() if e["t"] <= ended]
     timeline = _timeline.build(events)
     steps = [e for e in events if e["event"] == "step"]

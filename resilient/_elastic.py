@@ -193,10 +193,12 @@ class ElasticRuntime:
     def _run_in_process(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         host, port, token = parse_address(os.environ[ENV])
         memory = PeerMemory(token, interface_towards(host, port)) if self.peer_copies else None
-        group = Regroup(os.environ[ENV], node=f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}",
+        node = os.environ.get("RESILIENT_NODE_ID") or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+        group = Regroup(os.environ[ENV], node=node,
                         rank=int(os.environ.get("RANK", "0")),
                         initial_world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                        memory_address=memory.address if memory else "")
+                        memory_address=memory.address if memory else "",
+                        stale_s=_env_seconds("RESILIENT_HEARTBEAT_TIMEOUT", 1.0))
         try:
             gen = group.form(None)
             while gen is not None:
@@ -335,6 +337,17 @@ class _Armed:
             self.runtime._pending = None
         if self.previous is not None:
             signal.signal(_INTERRUPT, self.previous)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
 
 
 def _partner(gen: Generation) -> str | None:

@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             log = open(os.path.join(args.dir, f"{name}.log"), "wb")
             agents[name] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             print(f"node {name}: agent {agents[name].pid}, log {log.name}", flush=True)
+            if i + 1 < len(names):
+                # one by one, so that node a holds rank 0: its agent hosts the rounds' stores,
+                # and a demo that kills node b shows in-process recovery, not the fallback
+                time.sleep(1.0)
         started = time.monotonic()
         log = EventLog(events, -1, node=f"simulate.py ({run_id})")
         for fault in faults:

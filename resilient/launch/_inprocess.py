@@ -9,6 +9,7 @@ first: that one of their workers died.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import socket
@@ -28,6 +29,7 @@ __all__ = ["InProcessRecovery"]
 log = logging.getLogger(__name__)
 
 KEY = "resilient/regroup_store"
+NODE_ENV = "RESILIENT_NODE_ID"  # the agent's name in the rendezvous: how workers name their node
 PROBE_S = 0.5
 
 
@@ -105,14 +107,28 @@ class InProcessRecovery:
         except Exception as exc:
             log.warning("could not mark worker %d dead in the regroup store: %s", pid, exc)
 
-    def fail_generation(self, reason: str) -> None:
-        """End the running generation: its members stop their step and re-form."""
+    def fail_nodes(self, nodes: list[str]) -> None:
+        """Nodes were lost: if the running generation still counts workers of theirs, its
+        members stop their step and re-form (they may have noticed already)."""
         try:
-            if self._store.check(["latest"]):
-                latest = self._store.get("latest").decode()
-                self._store.compare_set(f"failed/{latest}", "", reason)
+            if not self._store.check(["latest"]):
+                return
+            latest = self._store.get("latest").decode()
+            members = json.loads(self._store.get(f"members/{latest}"))["members"]
+            if any(m["node"] in nodes for m in members):
+                self._store.compare_set(f"failed/{latest}", "", f"lost node(s) {', '.join(nodes)}")
         except Exception as exc:
             log.warning("could not tell the workers to re-form: %s", exc)
+
+    def nodes_left(self) -> int | None:
+        """Nodes with workers in the last generation, once the job finished (else None)."""
+        try:
+            if not (self.finished() and self._store.check(["latest"])):
+                return None
+            latest = self._store.get("latest").decode()
+            return len({m["node"] for m in json.loads(self._store.get(f"members/{latest}"))["members"]})
+        except Exception:
+            return None
 
     def finished(self) -> bool:
         try:

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
 from .._regroup import ENV as REGROUP_ENV
-from ._inprocess import InProcessRecovery
+from ._inprocess import NODE_ENV, InProcessRecovery
 from .rendezvous import BACKEND, EtcdV3RendezvousHandler, create_handler
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ class ResilientAgent(LocalElasticAgent):
         os.environ[REGROUP_ENV] = regroup.address  # workers inherit the agent's environment
         handler = worker_group.spec.rdzv_handler
         if isinstance(handler, EtcdV3RendezvousHandler):
+            os.environ[NODE_ENV] = handler.node
             # a frozen node resets no connection: its peers wait in a collective until told
-            handler.on_lost = lambda nodes: regroup.active() and regroup.fail_generation(
-                f"lost node(s) {', '.join(nodes)}")
+            handler.on_lost = lambda nodes: regroup.active() and regroup.fail_nodes(nodes)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, object]:
         spec = worker_group.spec
@@ -95,6 +95,16 @@ class ResilientAgent(LocalElasticAgent):
         if not isinstance(handler, EtcdV3RendezvousHandler):
             return result
         return self._explained_by_membership(worker_group, handler, result)
+
+    def _exit_barrier(self) -> None:
+        # torch waits for every agent of the round; after an in-process recovery without a
+        # new round, a lost node's agent never comes, and the job is already finished
+        left = self._regroup.nodes_left() if self._regroup is not None else None
+        if left is not None and left < self._worker_group.group_world_size:
+            log.info("job finished by %d of %d nodes in-process; not waiting for the others at exit",
+                     left, self._worker_group.group_world_size)
+            return
+        super()._exit_barrier()
 
     def _absorb(self, worker_group: WorkerGroup, result: RunResult, regroup: "InProcessRecovery") -> RunResult:
         """A worker died but the gang recovers in-process: keep the survivors."""
