@@ -57,6 +57,12 @@ class Metrics:
                                    buckets=_BUCKETS, registry=r)
         self.reform = Histogram("resilient_reform_seconds", "Detection to the next round formed", buckets=_BUCKETS,
                                 registry=r)
+        # in-process recovery (workers under @resilient.elastic)
+        self.regroups = Counter("resilient_inprocess_regroups_total",
+                                "Gangs re-formed in-process (failures, and processes joining)", registry=r)
+        self.regroup_seconds = Histogram("resilient_inprocess_regroup_seconds",
+                                         "Failure detected to the gang re-formed, in-process", buckets=_BUCKETS,
+                                         registry=r)
         self.world_size = Gauge("resilient_world_size", "Nodes in the current round", registry=r)
         self.round = Gauge("resilient_round", "Number of the current rendezvous round", registry=r)
         self.goodput = Gauge("resilient_goodput_ratio",
@@ -130,4 +136,7 @@ def record(event: str, fields: dict) -> None:
             m.reform.observe(fields["reform_s"])
     elif event == "workers_restarted":
         m.restarts.labels(fields["reason"]).inc()
+    elif event == "regrouped":
+        m.regroups.inc()
+        m.regroup_seconds.observe(fields["seconds"])
 
