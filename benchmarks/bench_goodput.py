@@ -74,10 +74,11 @@ def run(mode: str, minutes: float, fault_every: float, etcd: EtcdServer, every: 
         time.sleep(1.0)
         b = cluster.start("b", script_args=script_args)
         started = time.time()
+        end = started + minutes * 60
         next_fault = started + fault_every
-        while time.time() < started + minutes * 60:
+        while time.time() < end:
             time.sleep(0.2)
-            if time.time() >= next_fault:
+            if next_fault < end - 1.0 and time.time() >= next_fault:  # none at the very end
                 victims = workers_of(psutil.Process(b.proc.pid))
                 if victims:
                     faults.append(time.time())
