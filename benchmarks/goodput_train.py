@@ -2,8 +2,9 @@
 
 * ``--mode resilient``: the loop inside ``@resilient.elastic`` (run it with ``resilient-run``);
 * ``--mode dcp``: the usual torchrun recipe: ``torch.distributed.checkpoint.async_save``
-  every ``--every`` steps to a shared directory, and on start the newest complete one
-  (``.metadata`` present) is loaded with ``dcp.load``.
+  every ``--every`` steps to a shared directory (with a gloo group of its own, as DCP's
+  async recipe does), and on start the newest complete one (``.metadata`` present) is
+  loaded with ``dcp.load``.
 
 Same model (an MLP of ``--layers`` x ``--width``^2, SGD with momentum), same batches
 (seeded by the step, identical on every rank), the same ``--step-time`` of simulated
@@ -84,6 +85,9 @@ def run_dcp(args: argparse.Namespace, events: Events) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     dist.init_process_group("gloo")
+    # DCP's recipe: the background save's collectives get a group of their own, or they
+    # interleave with the training loop's on one gloo group and deadlock
+    ckpt_group = dist.new_group(backend="gloo")
     model, optim = build(args)
     net = DDP(model)
     start = newest_complete(args.root)
@@ -101,7 +105,8 @@ def run_dcp(args: argparse.Namespace, events: Events) -> None:
                 pending.result()  # one save in flight at a time, as resilient does
             model_sd, optim_sd = get_state_dict(model, optim)
             pending = dcp.async_save({"model": model_sd, "optim": optim_sd},
-                                     checkpoint_id=os.path.join(args.root, f"step-{step + 1}"))
+                                     checkpoint_id=os.path.join(args.root, f"step-{step + 1}"),
+                                     process_group=ckpt_group)
         events.emit("step", step=step + 1)
     if pending is not None:
         pending.result()
