@@ -42,7 +42,7 @@ from ._checkpointer import Checkpointer
 from ._errors import GangChange, ResilientError, StateError, UnsupportedStateError
 from ._events import EventLog
 from ._peer_memory import PeerMemory, interface_towards
-from ._regroup import ENV, Generation, Regroup, RegroupError, parse_address
+from ._regroup import ENV, NODE_ENV, Generation, Regroup, RegroupError, parse_address
 from ._watchdog import HANG_EXIT_CODE
 
 __all__ = ["elastic", "PeerFailure", "HangError"]
@@ -193,7 +193,7 @@ class ElasticRuntime:
     def _run_in_process(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         host, port, token = parse_address(os.environ[ENV])
         memory = PeerMemory(token, interface_towards(host, port)) if self.peer_copies else None
-        node = os.environ.get("RESILIENT_NODE_ID") or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+        node = os.environ.get(NODE_ENV) or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
         group = Regroup(os.environ[ENV], node=node,
                         rank=int(os.environ.get("RANK", "0")),
                         initial_world_size=int(os.environ.get("WORLD_SIZE", "1")),

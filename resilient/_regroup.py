@@ -41,11 +41,12 @@ import torch.distributed as dist
 
 from ._errors import ResilientError
 
-__all__ = ["Member", "Generation", "Regroup", "RegroupError", "parse_address", "ENV"]
+__all__ = ["Member", "Generation", "Regroup", "RegroupError", "parse_address", "ENV", "NODE_ENV"]
 
 log = logging.getLogger("resilient")
 
 ENV = "RESILIENT_REGROUP_STORE"  # host:port/token, set by resilient-run's agent
+NODE_ENV = "RESILIENT_NODE_ID"   # the agent's name in the rendezvous: how workers name their node
 HEARTBEAT_S = 0.25
 POLL_S = 0.01
 

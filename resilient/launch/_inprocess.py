@@ -22,14 +22,13 @@ from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.multiprocessing.api import RunProcsResult
 
 from .._peer_memory import interface_towards
-from .._regroup import parse_address
+from .._regroup import NODE_ENV, parse_address
 
-__all__ = ["InProcessRecovery"]
+__all__ = ["InProcessRecovery", "NODE_ENV"]
 
 log = logging.getLogger(__name__)
 
 KEY = "resilient/regroup_store"
-NODE_ENV = "RESILIENT_NODE_ID"  # the agent's name in the rendezvous: how workers name their node
 PROBE_S = 0.5
 
 
