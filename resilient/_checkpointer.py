@@ -237,14 +237,14 @@ class Checkpointer:
                 self._reported_first_step = True
                 self._events.emit("first_step", step=step)
             self._events.emit("step", step=step)  # progress, for timelines and goodput
-        # a tiny collective per step, only under @resilient.elastic: every rank must agree
-        # on the step at which the gang grows
-        joining = self._join_pending is not None and bool(self._coord.agree_max(int(self._join_pending())))
-        due = force or joining or self._save_policy.due(step, time.monotonic())
+        due = force or self._save_policy.due(step, time.monotonic())
         if getattr(self._save_policy, "time_based", False) and not force:
             due = self._coord.broadcast_flag(due)
         if not due:
             return None
+        # under @resilient.elastic, a process waiting to join: every rank agrees (at a save
+        # that is due anyway, so steps pay nothing) to commit this step and re-form
+        joining = self._join_pending is not None and bool(self._coord.agree_max(int(self._join_pending())))
         handle = SaveHandle(step, on_settle=self._count)
         self._events.emit("save_started", step=step)
         flat = flatten_state(state)  # raises on unsupported values before anything is written

@@ -52,5 +52,5 @@ class CommitError(ResilientError):
 
 
 class GangChange(ResilientError):
-    """Raised by ``Checkpointer.save`` under ``@resilient.elastic`` when a process asks to join
-    the gang: the step was checkpointed and committed first, so re-forming loses nothing."""
+    """Raised by a due ``Checkpointer.save`` under ``@resilient.elastic`` when a process asks to
+    join the gang: the step was checkpointed and committed first, so re-forming loses nothing."""

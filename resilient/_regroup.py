@@ -15,10 +15,11 @@ closes when the launcher's whole world has joined.
 
 A process that arrives after its generation closed (a replacement started by the agent)
 registers for the next one and sets the running generation's *joining* key. The members
-see it at their next ``Checkpointer.save`` (one tiny collective per step makes them agree on
-the step), commit that step and re-form with the newcomer, which restores it: growing
-loses no steps. If the members take no step for ``join_grace_s``, the newcomer raises the
-*failed* flag instead, which each member's heartbeat thread turns into an interruption.
+see it at their next checkpoint (``Checkpointer.save`` that is due; one tiny collective
+there makes them agree), commit that step and re-form with the newcomer, which restores
+it: growing loses no steps and costs the other steps nothing. If no checkpoint comes for
+``NEWCOMER_PATIENCE_S``, the newcomer raises the *failed* flag instead, which each member's
+heartbeat thread turns into an interruption.
 
 Keys (all under ``<token>/``): ``hb/<id>`` heartbeat counter, ``dead/<id>``, ``done/<id>``,
 ``join/<g>`` arrival counter with ``join/<g>/<n>`` member records, ``members/<g>``,
@@ -48,6 +49,8 @@ log = logging.getLogger("resilient")
 ENV = "RESILIENT_REGROUP_STORE"  # host:port/token, set by resilient-run's agent
 NODE_ENV = "RESILIENT_NODE_ID"   # the agent's name in the rendezvous: how workers name their node
 HEARTBEAT_S = 0.25
+# a newcomer waits this long for the members' next checkpoint before interrupting them
+NEWCOMER_PATIENCE_S = 600.0
 POLL_S = 0.01
 
 
@@ -182,7 +185,7 @@ class Regroup:
                 proposal = Generation(target, members).encode()
                 self._store.compare_set(f"members/{target}", "", proposal)
                 continue  # read back whatever won
-            if newcomer and time.monotonic() - first_join > self.join_grace_s:
+            if newcomer and time.monotonic() - first_join > NEWCOMER_PATIENCE_S:
                 # the members are not taking steps (a long evaluation, a hang): interrupt them
                 self._store.compare_set(f"failed/{target - 1}", "", f"{self.me} waits to join generation {target}")
                 newcomer = False
