@@ -262,10 +262,6 @@ class Regroup:
         except Exception as exc:
             raise RegroupError(f"cannot reach the regroup store: {exc}") from exc
 
-    def failure_reason(self, gen: Generation) -> str | None:
-        key = f"failed/{gen.number}"
-        return self._store.get(key).decode() if self._store.check([key]) else None
-
     def finish(self, gen: Generation) -> None:
         """This member returned normally; with everyone done, the job is finished."""
         self._watching = None
