@@ -22,7 +22,6 @@ included), steps redone, and per fault the time from the kill to the next step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.launch import free_port  # noqa: E402
 from tests.nodes import Cluster, c10d_flags, etcd_v3_flags  # noqa: E402
 from resilient import _timeline  # noqa: E402
+from benchmarks.fault_runs import add_output_flags, render_or_run  # noqa: E402
 from resilient.devservices import EtcdServer  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goodput_train.py")
@@ -132,26 +132,14 @@ def main() -> None:
     p.add_argument("--fault-every", type=float, default=120.0)
     p.add_argument("--every", type=int, default=50, help="checkpoint every N steps")
     p.add_argument("--modes", default="resilient,dcp")
-    p.add_argument("--json", default=None)
-    p.add_argument("--render", default=None, help="print the table of runs saved with --json, run nothing")
+    add_output_flags(p)
     args = p.parse_args()
-    if args.render:
-        with open(args.render) as f:
-            print(table(json.load(f)))
-        return
-    etcd = EtcdServer().start()
-    runs = []
-    try:
-        for mode in args.modes.split(","):
-            runs.append(run(mode, args.minutes, args.fault_every, etcd, args.every))
-            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    finally:
-        etcd.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f, indent=1)
-    print(table(runs))
 
+    def runs(etcd: EtcdServer):
+        for mode in args.modes.split(","):
+            yield run(mode, args.minutes, args.fault_every, etcd, args.every)
+
+    render_or_run(args, table, runs)
 
 if __name__ == "__main__":
     main()

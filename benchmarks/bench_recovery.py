@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.launch import free_port  # noqa: E402
 from tests.nodes import TRAIN, TRAIN_IN_PROCESS, Cluster, c10d_flags, etcd_v3_flags  # noqa: E402
+from benchmarks.fault_runs import add_output_flags, render_or_run  # noqa: E402
 from resilient.devservices import EtcdServer  # noqa: E402
 
 HUNG_AT, HANG_TIMEOUT, STEP_TIME = 60, 5, 0.05
@@ -188,28 +189,16 @@ def main() -> None:
     p.add_argument("--scenarios", default="worker,node,frozen,spare,hung")
     p.add_argument("--launchers", default=",".join(LAUNCHERS))
     p.add_argument("--give-up", type=float, default=70.0, help="seconds after the fault (default: %(default)s)")
-    p.add_argument("--json", default=None, help="also write every run here")
-    p.add_argument("--render", default=None, help="print the table of runs saved with --json, run nothing")
+    add_output_flags(p)
     args = p.parse_args()
-    if args.render:
-        with open(args.render) as f:
-            print(table(json.load(f), args.give_up))
-        return
-    etcd = EtcdServer().start()
-    runs: list[dict[str, Any]] = []
-    try:
+
+    def runs(etcd: EtcdServer):
         for scenario in args.scenarios.split(","):
             for launcher in args.launchers.split(","):
                 for _ in range(args.repeats):
-                    runs.append(run_once(launcher, scenario, etcd, args.give_up))
-                    print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    finally:
-        etcd.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f, indent=1)
-    print(table(runs, args.give_up))
+                    yield run_once(launcher, scenario, etcd, args.give_up)
 
+    render_or_run(args, lambda done: table(done, args.give_up), runs)
 
 if __name__ == "__main__":
     main()
