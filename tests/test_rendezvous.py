@@ -169,3 +169,17 @@ def test_a_dead_endpoint_is_skipped(etcd_server, run_id):
     etcd = Etcd(f"127.0.0.1:{free_port()},{etcd_server.endpoint}", timeout=1)
     etcd.put(f"/resilient/{run_id}/x", "1")
     assert etcd.get(f"/resilient/{run_id}/x").value == b"1"
+
+
+def test_dev_etcd_never_gets_one_port_for_clients_and_peers(tmp_path):
+    # CI once saw the kernel give both free_port() calls the same port: etcd then failed to bind
+    from resilient.devservices import EtcdServer, free_port
+
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)
+    server = EtcdServer(str(tmp_path / "etcd"))
+    assert server.port != server.peer_port
+    server.peer_port = server.port  # what the repeat did: the error must say why, from etcd's log
+    with pytest.raises(RuntimeError, match="address already in use"):
+        server.start(timeout=10)
+    server.close()
