@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -26,29 +27,42 @@ from typing import Any
 
 
 _handed_out: set[int] = set()
+_random = random.Random()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = (int(part) for part in ports.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on, and one this process has not handed out before.
+    """A loopback port nothing listens on, below the kernel's ephemeral range, never handed out twice.
 
-    The kernel may give the same ephemeral port to two binds in a row once the first socket
-    is closed; an etcd told to use one port for clients and peers then fails to start with
-    "address already in use". A port returned again stays bound while the next one is
-    picked, so the kernel has to offer another.
+    Why not simply bind port 0: the kernel may return the same ephemeral port to two binds in
+    a row (CI saw etcd told to use one port for clients and peers), and an ephemeral port can
+    be taken by any outgoing connection, even a client's retry towards that very port while
+    the server restarts (a TCP self-connect), so a restarted server could not bind it again.
     """
-    held: list[socket.socket] = []
-    try:
-        while True:
-            sock = socket.socket()
-            held.append(sock)
-            sock.bind(("127.0.0.1", 0))
+    low, _ = _ephemeral_range()
+    candidates = range(max(1024, low - 12000), low) if low > 2048 else range(0)
+    for _ in range(1000):
+        port = _random.choice(candidates) if candidates else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             port = sock.getsockname()[1]
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-    finally:
-        for sock in held:
-            sock.close()
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port below {low} after 1000 tries")
 
 
 def etcd_binary() -> str:
