@@ -30,13 +30,13 @@ _handed_out: set[int] = set()
 _random = random.Random()
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_ports_start() -> int:
+    """The lowest port the kernel gives to outgoing connections and to binds of port 0."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-            low, high = (int(part) for part in ports.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -47,10 +47,10 @@ def free_port() -> int:
     be taken by any outgoing connection, even a client's retry towards that very port while
     the server restarts (a TCP self-connect), so a restarted server could not bind it again.
     """
-    low, _ = _ephemeral_range()
-    candidates = range(max(1024, low - 12000), low) if low > 2048 else range(0)
+    low = ephemeral_ports_start()
+    candidates = range(max(1024, low - 12000), low) or range(0, 1)  # 0: the kernel picks
     for _ in range(1000):
-        port = _random.choice(candidates) if candidates else 0
+        port = _random.choice(candidates)
         if port in _handed_out:
             continue
         with socket.socket() as sock:

@@ -173,11 +173,11 @@ def test_a_dead_endpoint_is_skipped(etcd_server, run_id):
 
 def test_dev_etcd_never_gets_one_port_for_clients_and_peers(tmp_path):
     # CI once saw the kernel give both free_port() calls the same port: etcd then failed to bind
-    from resilient.devservices import EtcdServer, _ephemeral_range, free_port
+    from resilient.devservices import EtcdServer, ephemeral_ports_start, free_port
 
     ports = [free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)
-    assert max(ports) < _ephemeral_range()[0]  # no outgoing connection can hold one of them
+    assert max(ports) < ephemeral_ports_start()  # no outgoing connection can hold one of them
     server = EtcdServer(str(tmp_path / "etcd"))
     assert server.port != server.peer_port
     server.peer_port = server.port  # what the repeat did: the error must say why, from etcd's log
