@@ -81,20 +81,21 @@ def test_lost_lease_is_seen_by_the_survivor_within_the_ttl(etcd_server, run_id):
 
 def test_round_state_is_compare_and_set(etcd_server, run_id):
     etcd = Etcd(etcd_server.endpoint)
-    key = f"/resilient/{run_id}/round"
-    first = Round(1, "joining", {"n1": "127.0.0.1:1"})
+    key = f"/resilient/{run_id}/state/round"
+    first = Round(1, "joining", "n1")
     assert etcd.transact([same_revision(key, 0)], [(key, first.encode(), 0)])
     token = etcd.get(key).mod_revision
     assert not etcd.transact([same_revision(key, 0)], [(key, first.encode(), 0)]), "create must not overwrite"
-    second = Round(1, "joining", {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"})
+    second = Round(1, "running", "n1", ["n1", "n2"], "127.0.0.1:1", [], token)
     assert etcd.transact([same_revision(key, token)], [(key, second.encode(), 0)])
     assert not etcd.transact([same_revision(key, token)], [(key, first.encode(), 0)]), "a stale token must lose"
     assert Round.decode(etcd.get(key)) == second
 
 
-@pytest.mark.parametrize("garbage", [b"\x80not json", b'{"number": 1}', b'{"number": 1, "phase": "dancing"}'])
+@pytest.mark.parametrize("garbage", [b"\x80not json", b'{"number": 1}', b'{"number": 1, "phase": "dancing"}',
+                                     b'{"number": 1, "phase": "running", "members": []}'])
 def test_corrupt_state_raises_rendezvous_state_error(etcd_server, run_id, garbage):
-    Etcd(etcd_server.endpoint).put(f"/resilient/{run_id}/round", garbage)
+    Etcd(etcd_server.endpoint).put(f"/resilient/{run_id}/state/round", garbage)
     h = handler(etcd_server, run_id)
     try:
         with pytest.raises(RendezvousStateError, match="round"):

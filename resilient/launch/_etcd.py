@@ -12,7 +12,12 @@ thin client does not give:
   not refreshed for a whole TTL, counts as lost (the node is then fenced);
 * **a watch that survives** (:class:`PrefixMirror`): list, then watch from the next
   revision; when the stream breaks (etcd restarted, connection reset) it lists again and
-  resumes, so a local mirror of the prefix is always eventually right.
+  resumes, so a local mirror of the prefix is always eventually right;
+* **a watch on deletions only** (:class:`DeletionWatch`): etcd filters out every put on
+  the server, so an agent learns of lost leases without receiving the O(N) registrations of
+  a large gang;
+* **request accounting** (:attr:`Etcd.stats`): requests and bytes per call path, which the
+  scale benchmark reports per agent per round.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import random
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,10 +111,19 @@ class Etcd:
         self._endpoints = parse_endpoints(endpoints)
         self._clients = [Etcd3Client(host=h, port=p, protocol=proto, timeout=timeout, api_path="/v3/")
                          for proto, h, p in self._endpoints]
-        self._current = 0
+        # a large gang spreads its requests over the members instead of all loading the first
+        self._current = random.randrange(len(self._clients))
         self._lock = threading.Lock()
+        #: ``"<path> requests"`` and ``"<path> bytes"`` (request + response bodies) per call
+        #: path (``/kv/txn``, ``/watch``...): what the scale benchmark divides by agents and rounds
+        self.stats: Counter[str] = Counter()
 
     # -- plumbing ---------------------------------------------------------------------------
+    def count(self, path: str, nbytes: int, requests: int = 1) -> None:
+        with self._lock:
+            self.stats[f"{path} requests"] += requests
+            self.stats[f"{path} bytes"] += nbytes
+
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         last: BaseException | None = None
         for attempt in range(len(self._clients)):
@@ -121,6 +137,7 @@ class Etcd:
                 continue
             with self._lock:
                 self._current = index
+            self.count(path, len(json.dumps(body)) + len(json.dumps(result)))
             return result
         raise EtcdUnavailable(f"etcd at {self.spec} is unreachable: {last}")
 
@@ -139,17 +156,26 @@ class Etcd:
         kvs = self._call("/kv/range", {"key": _b64(key)}).get("kvs", [])
         return _kv(kvs[0]) if kvs else None
 
-    def get_prefix(self, prefix: str) -> tuple[dict[str, KeyValue], int]:
+    def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[dict[str, KeyValue], int]:
         """All keys under ``prefix`` and the store revision they were read at."""
-        result = self._call("/kv/range", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+        return self.range(prefix, prefix=True, keys_only=keys_only)
+
+    def range(self, key: str, *, prefix: bool, keys_only: bool = False) -> tuple[dict[str, KeyValue], int]:
+        """``key`` (or every key under it) and the store revision it was read at."""
+        body: dict[str, Any] = {"key": _b64(key)}
+        if prefix:
+            body["range_end"] = _b64(prefix_end(key))
+        if keys_only:
+            body["keys_only"] = True
+        result = self._call("/kv/range", body)
         kvs = {kv.key: kv for kv in map(_kv, result.get("kvs", []))}
         return kvs, int(result["header"]["revision"])
 
+    def delete_prefix(self, prefix: str) -> None:
+        self._call("/kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})
+
     def put(self, key: str, value: bytes | str, *, lease: int = 0) -> None:
-        body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            body["lease"] = lease
-        self._call("/kv/put", body)
+        self._call("/kv/put", _put_ops([(key, value, lease)])[0]["request_put"])
 
     def transact(self, compares: Iterable[dict[str, Any]], puts: Iterable[tuple[str, bytes | str, int]]) -> bool:
         """Apply every put (key, value, lease) iff every compare holds; True when applied.
@@ -157,14 +183,23 @@ class Etcd:
         Compares are built with :func:`same_revision` and :func:`exists`: a revision is the
         fencing token, so a writer holding a stale view can never overwrite a newer one.
         """
-        success = []
-        for key, value, lease in puts:
-            put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-            if lease:
-                put["lease"] = lease
-            success.append({"request_put": put})
-        result = self._call("/kv/txn", {"compare": list(compares), "success": success, "failure": []})
+        result = self._call("/kv/txn", {"compare": list(compares), "success": _put_ops(puts), "failure": []})
         return bool(result.get("succeeded", False))
+
+    def transact_or_get(self, compares: Iterable[dict[str, Any]], puts: Iterable[tuple[str, bytes | str, int]],
+                        key: str) -> tuple[bool, int, KeyValue | None]:
+        """:meth:`transact`, reading ``key`` in the same request when the compares fail.
+
+        Returns (applied, revision of the write or read, ``key``'s value when not applied):
+        a writer that lost a race learns the winner's value without a second round trip.
+        """
+        failure = [{"request_range": {"key": _b64(key)}}]
+        result = self._call("/kv/txn", {"compare": list(compares), "success": _put_ops(puts), "failure": failure})
+        revision = int(result["header"]["revision"])
+        if result.get("succeeded", False):
+            return True, revision, None
+        kvs = (result.get("responses") or [{}])[0].get("response_range", {}).get("kvs", [])
+        return False, revision, _kv(kvs[0]) if kvs else None
 
     # -- leases -----------------------------------------------------------------------------
     def grant(self, ttl: int) -> int:
@@ -180,6 +215,17 @@ class Etcd:
             self._call("/kv/lease/revoke", {"ID": lease})
         except Etcd3Exception:  # already expired: nothing to revoke
             pass
+
+
+def _put_ops(puts: Iterable[tuple[str, bytes | str, int]]) -> list[dict[str, Any]]:
+    """Transaction operations for (key, value, lease) puts; lease 0: none."""
+    ops = []
+    for key, value, lease in puts:
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = lease
+        ops.append({"request_put": put})
+    return ops
 
 
 def same_revision(key: str, mod_revision: int) -> dict[str, Any]:
@@ -242,42 +288,110 @@ class LeaseKeeper:
                 pass
 
 
-class PrefixMirror:
-    """A local, eventually exact copy of every key under a prefix, fed by one etcd watch.
+class Changes:
+    """A version number that several watches bump: one waiter wakes on a change in any of them."""
 
-    Readers call :meth:`snapshot` (no network) or :meth:`wait_change` to sleep until the
-    mirror moves. Any break of the watch stream leads to a fresh list + watch, so etcd
-    restarts and member failovers are absorbed without the caller noticing.
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        with self._cond:
+            return self._version
+
+    def bump(self) -> None:
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    def wait(self, version: int, timeout: float) -> int:
+        """Sleep until the version differs from ``version`` (or ``timeout`` s); the new version."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._version != version, timeout)
+            return self._version
+
+
+class _Watch:
+    """One etcd watch stream on a prefix (or a single key), kept open by a daemon thread.
+
+    Subclasses say where a stream resumes (:meth:`_resume`) and what events do
+    (:meth:`_apply`); this class reopens the stream whenever it breaks (etcd restarted, a
+    member failed over, the connection reset), so its owner never sees the break.
     """
 
-    def __init__(self, etcd: Etcd, prefix: str) -> None:
+    filters: tuple[str, ...] = ()
+
+    def __init__(self, etcd: Etcd, key: str, *, prefix: bool = True, changes: Changes | None = None) -> None:
         self.etcd = etcd
-        self.prefix = prefix
-        self._kvs: dict[str, KeyValue] = {}
-        self._version = 0
-        self._cond = threading.Condition()
+        self.key = key
+        self._range_end = prefix_end(key) if prefix else None
+        self.changes = changes or Changes()
+        self.listed = threading.Event()   # the first list (or resume point) is known
         self._stop = threading.Event()
         self._response: requests.Response | None = None
         self._thread = threading.Thread(target=self._loop, name="resilient-watch", daemon=True)
         self._thread.start()
 
-    def snapshot(self) -> dict[str, KeyValue]:
-        with self._cond:
-            return dict(self._kvs)
+    def _resume(self) -> int:
+        """Prepare a (re)start of the stream; the revision it starts from."""
+        raise NotImplementedError
+
+    def _apply(self, events: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def _compacted(self) -> None:
+        """etcd no longer holds the history the stream would resume from."""
 
     @property
     def version(self) -> int:
         """Bumped on every change; pass it to :meth:`wait_change`."""
-        with self._cond:
-            return self._version
+        return self.changes.version
 
     def wait_change(self, version: int, timeout: float) -> int:
-        with self._cond:
-            self._cond.wait_for(lambda: self._version != version or self._stop.is_set(), timeout)
-            return self._version
+        return self.changes.wait(version, timeout)
+
+    def _range(self, *, keys_only: bool = False) -> tuple[dict[str, KeyValue], int]:
+        return self.etcd.range(self.key, prefix=self._range_end is not None, keys_only=keys_only)
+
+    def _loop(self) -> None:
+        session = requests.Session()
+        while not self._stop.is_set():
+            try:
+                self._stream(session, self._resume())
+            except Exception as exc:  # noqa: BLE001 - any break means: resume the stream
+                if not self._stop.is_set():
+                    log.debug("etcd watch on %s broke (%s); resuming", self.key, exc)
+            self._stop.wait(0.2)
+
+    def _stream(self, session: requests.Session, start_revision: int) -> None:
+        create: dict[str, Any] = {"key": _b64(self.key), "start_revision": start_revision}
+        if self._range_end is not None:
+            create["range_end"] = _b64(self._range_end)
+        if self.filters:
+            create["filters"] = list(self.filters)
+        request = {"create_request": create}
+        self.etcd.count("/watch", len(json.dumps(request)))
+        with session.post(self.etcd.watch_url(), json=request, stream=True,
+                          timeout=(self.etcd.timeout, None)) as response:
+            self._response = response
+            for line in response.iter_lines():
+                if self._stop.is_set():
+                    return
+                if not line.strip():
+                    continue
+                self.etcd.count("/watch", len(line), requests=0)
+                result = json.loads(line).get("result", {})
+                if result.get("compact_revision"):
+                    self._compacted()
+                    return
+                if result.get("canceled"):
+                    return
+                if result.get("events"):
+                    self._apply(result["events"])
 
     def resync(self) -> None:
-        """Break the current stream (it may sit on a dead connection); the loop lists again.
+        """Break the current stream (it may sit on a dead connection); the loop resumes it.
 
         The stream's socket is shut down rather than the response closed: closing from
         another thread blocks on the lock the reading thread holds.
@@ -291,56 +405,105 @@ class PrefixMirror:
         except (OSError, AttributeError, ValueError):  # already closed or not a socket any more
             pass
 
-    def _replace(self, kvs: dict[str, KeyValue]) -> None:
-        with self._cond:
+    def close(self) -> None:
+        self._stop.set()
+        self.changes.bump()
+        self.resync()
+        self._thread.join(timeout=2)
+
+
+class PrefixMirror(_Watch):
+    """A local, eventually exact copy of every key under a prefix (or of one key).
+
+    Readers call :meth:`snapshot` (no network) or :meth:`wait_change` to sleep until the
+    mirror moves. A broken stream leads to a fresh list + watch.
+    """
+
+    def __init__(self, etcd: Etcd, key: str, *, prefix: bool = True, changes: Changes | None = None) -> None:
+        self._kvs: dict[str, KeyValue] = {}
+        self._kvs_lock = threading.Lock()
+        super().__init__(etcd, key, prefix=prefix, changes=changes)
+
+    def snapshot(self) -> dict[str, KeyValue]:
+        with self._kvs_lock:
+            return dict(self._kvs)
+
+    def _resume(self) -> int:
+        kvs, revision = self._range()
+        with self._kvs_lock:
             self._kvs = kvs
-            self._version += 1
-            self._cond.notify_all()
+        self.listed.set()
+        self.changes.bump()
+        return revision + 1
 
     def _apply(self, events: list[dict[str, Any]]) -> None:
-        with self._cond:
+        with self._kvs_lock:
             for event in events:
                 kv = _kv(event["kv"])
                 if event.get("type") == "DELETE":
                     self._kvs.pop(kv.key, None)
                 else:
                     self._kvs[kv.key] = kv
-            self._version += 1
-            self._cond.notify_all()
+        self.changes.bump()
 
-    def _loop(self) -> None:
-        session = requests.Session()
-        while not self._stop.is_set():
-            try:
-                kvs, revision = self.etcd.get_prefix(self.prefix)
-                self._replace(kvs)
-                self._stream(session, revision + 1)
-            except Exception as exc:  # noqa: BLE001 - any break means: list and watch again
-                if not self._stop.is_set():
-                    log.debug("etcd watch on %s broke (%s); resyncing", self.prefix, exc)
-            self._stop.wait(0.2)
 
-    def _stream(self, session: requests.Session, start_revision: int) -> None:
-        request = {"create_request": {
-            "key": _b64(self.prefix), "range_end": _b64(prefix_end(self.prefix)),
-            "start_revision": start_revision}}
-        with session.post(self.etcd.watch_url(), json=request, stream=True,
-                          timeout=(self.etcd.timeout, None)) as response:
-            self._response = response
-            for line in response.iter_lines():
-                if self._stop.is_set():
-                    return
-                if not line.strip():
+class DeletionWatch(_Watch):
+    """Which keys under a prefix were deleted, and at which revision, from a start revision on.
+
+    etcd drops every put on the server (the ``NOPUT`` filter), so in a gang of N agents each
+    one receives only the deletions (lost leases), never the O(N) registrations. A key that
+    was deleted may be written again later; :meth:`gone` therefore asks about deletions
+    *since* a revision. If etcd compacted the history the stream needs, one keys-only list
+    replaces it: anything absent from that list counts as deleted at the list's revision.
+    """
+
+    filters = ("NOPUT",)
+
+    def __init__(self, etcd: Etcd, prefix: str, start_revision: int, *, changes: Changes | None = None) -> None:
+        self._next = start_revision
+        self._deleted: dict[str, int] = {}
+        self._present: tuple[set[str], int] | None = None
+        self._relist = False
+        self._lock = threading.Lock()
+        super().__init__(etcd, prefix, changes=changes)
+
+    def _resume(self) -> int:
+        if self._relist:
+            kvs, revision = self._range(keys_only=True)
+            with self._lock:
+                self._present = ({key[len(self.key):] for key in kvs}, revision)
+                self._next = revision + 1
+                self._relist = False
+            self.changes.bump()
+        self.listed.set()
+        return self._next
+
+    def _compacted(self) -> None:
+        self._relist = True
+
+    def _apply(self, events: list[dict[str, Any]]) -> None:
+        with self._lock:
+            for event in events:
+                if event.get("type") != "DELETE":
                     continue
-                result = json.loads(line).get("result", {})
-                if result.get("compact_revision") or result.get("canceled"):
-                    return  # history compacted or watch cancelled: list again
-                if result.get("events"):
-                    self._apply(result["events"])
+                kv = _kv(event["kv"])
+                self._deleted[kv.key[len(self.key):]] = kv.mod_revision
+                self._next = max(self._next, kv.mod_revision + 1)
+        self.changes.bump()
 
-    def close(self) -> None:
-        self._stop.set()
-        with self._cond:
-            self._cond.notify_all()
-        self.resync()
-        self._thread.join(timeout=2)
+    def gone(self, name: str, since: int) -> bool:
+        """Whether key ``prefix + name`` was deleted after revision ``since``."""
+        return bool(self.gone_among([name], since))
+
+    def gone_among(self, names: list[str], since: int) -> list[str]:
+        """Those of ``names`` whose key was deleted after revision ``since``, in order.
+
+        Costs O(deletions seen), not O(names), while no history was compacted: the agent
+        asks this about a gang of thousands every monitor interval.
+        """
+        with self._lock:
+            deleted = {name for name, revision in self._deleted.items() if revision > since}
+            present = self._present
+        if present is not None and present[1] > since:
+            return [name for name in names if name in deleted or name not in present[0]]
+        return [name for name in names if name in deleted] if deleted else []

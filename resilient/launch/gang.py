@@ -1,7 +1,7 @@
 """The worker's side of the gang: fence checkpoint commits with the round's revision.
 
 Under the ``etcd-v3`` rendezvous the agent hands its workers (through ``RESILIENT_GANG``)
-the round they run in, the revision of etcd's ``round`` key when it started, and their
+the round they run in, the revision of etcd's ``state/round`` key when it started, and their
 node's name. A checkpoint may be committed only while that round is still the current
 one and the node still holds its lease: a node cut off from etcd, or one whose gang has
 already re-formed without it, can then never publish a checkpoint that the new gang
@@ -54,7 +54,7 @@ class Gang:
         while True:
             try:
                 ok = self.etcd.transact(
-                    [same_revision(self.prefix + "round", self.revision), exists(self.prefix + "nodes/" + self.node)],
+                    [same_revision(self.prefix + "state/round", self.revision), exists(self.prefix + "nodes/" + self.node)],
                     [(f"{self.prefix}commits/{step:010d}", record, 0)])
                 break
             except EtcdUnavailable as exc:

@@ -1,19 +1,31 @@
 """The ``etcd-v3`` rendezvous: rounds of a gang agreed in etcd, liveness by lease.
 
-Every agent registers ``nodes/<id>`` under its own lease (kept alive by
-:class:`~resilient.launch._etcd.LeaseKeeper`) and mirrors the run's prefix through one
-watch. A single key, ``round``, holds the gang: its number, its phase (``joining`` or
-``running``), who joined and, once running, the members in rank order and the address of
-the round's store. Every change to ``round`` is a transaction guarded by the revision the
-writer read, so two agents can never both win a race, and that revision is also the
-fencing token handed to workers.
+Keys under ``/resilient/<run>/`` (what each agent writes, reads and watches, per round):
+
+* ``nodes/<id>``: one per agent, under the agent's lease: its liveness. Written once.
+* ``state/round``: the round: number, phase (``joining`` or ``running``), the agent that
+  opened it and closes it (the *closer*) and, once running, the members in rank order and
+  the address of the round's store. Written twice per round (opened, closed), each time by
+  a transaction guarded by the revision the writer read; the revision of the closing write
+  is the fencing token handed to workers. Every agent watches this one key.
+* ``state/closed``: the run finished or was abandoned.
+* ``joins/<round>/<id>``: an agent's join, under its lease, holding the address of the store
+  it would host as rank 0. Joins are separate keys, so N agents joining never race on one
+  value (joining is commutative); only the closer watches them.
+
+So per agent per round: one join put, one watched write of ``state/round`` when it opens and
+one when it closes (the membership, read once), and at most one losing open attempt. Lost
+nodes are learned from their lease's expiry: every agent watches ``nodes/`` for deletions
+only (etcd filters the puts out), so the registrations of a large gang cost it nothing. The
+closer alone lists and watches ``nodes/`` and the round's joins while the round is open; if
+the closer itself is lost, the first agent to see it opens the next round and closes it.
 
 Why a handler of our own rather than torch's ``DynamicRendezvousHandler`` over an etcd
 backend: torch's handler finds dead nodes by a heartbeat sweep (3 x 5 s) and always waits
 its last-call timeout (30 s) for stragglers; here a node's liveness *is* its lease, so a
 round closes the moment every live node has joined, and the agent's own
 ``num_nodes_waiting()`` poll learns of a lost member as soon as etcd expires its lease.
-Each round gets a fresh TCPStore hosted by its rank-0 agent (created before joining, so
+Each round gets a fresh TCPStore hosted by its rank-0 agent (started before joining, so
 closing a round needs no second exchange): nothing stale from an earlier round can be
 read by restarted workers, and losing the node that hosted the previous store loses
 nothing.
@@ -44,7 +56,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from .._events import EventLog
 from .._metrics import mark_agent
-from ._etcd import Etcd, KeyValue, LeaseKeeper, PrefixMirror, same_revision
+from ._etcd import Changes, DeletionWatch, Etcd, KeyValue, LeaseKeeper, PrefixMirror, exists, same_revision
 from .gang import GANG_ENV
 
 log = logging.getLogger(__name__)
@@ -63,45 +75,86 @@ DEFAULTS: dict[str, float] = {
 
 @dataclass
 class Round:
-    """The content of the ``round`` key."""
+    """The content of the ``state/round`` key."""
 
     number: int
-    phase: str                                        # "joining" or "running"
-    joined: dict[str, str] = field(default_factory=dict)   # node -> address of its store
+    phase: str                                             # "joining" or "running"
+    closer: str = ""                                       # opened the round; closes it
     members: list[str] = field(default_factory=list)       # rank order, once running
+    store: str = ""                                        # the round's store, once running
     previous: list[str] = field(default_factory=list)      # members of the last running round
+    opened: int = 0  # etcd revision at which the round opened (running: kept in the value)
 
     def encode(self) -> str:
-        return json.dumps({"number": self.number, "phase": self.phase, "joined": self.joined,
-                           "members": self.members, "previous": self.previous})
+        data: dict[str, Any] = {"number": self.number, "phase": self.phase, "closer": self.closer,
+                                "previous": self.previous}
+        if self.phase == "running":
+            data.update(members=self.members, store=self.store, opened=self.opened)
+        return json.dumps(data)
 
     @classmethod
     def decode(cls, kv: KeyValue) -> "Round":
         try:
             data = kv.json()
-            state = cls(int(data["number"]), str(data["phase"]), dict(data.get("joined", {})),
-                        list(data.get("members", [])), list(data.get("previous", [])))
+            phase = str(data["phase"])
+            state = cls(int(data["number"]), phase, str(data.get("closer", "")),
+                        [str(m) for m in data.get("members", [])], str(data.get("store", "")),
+                        [str(m) for m in data.get("previous", [])],
+                        int(data["opened"]) if phase == "running" else kv.mod_revision)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RendezvousStateError(f"etcd key {kv.key!r} does not hold a rendezvous round "
                                        f"({type(exc).__name__}: {exc}); was it written by another tool?") from None
         if state.phase not in ("joining", "running"):
             raise RendezvousStateError(f"etcd key {kv.key!r}: unknown round phase {state.phase!r}")
+        if state.phase == "running" and not (state.members and state.store):
+            raise RendezvousStateError(f"etcd key {kv.key!r}: a running round without members or store")
         return state
 
 
 def assign_ranks(joined: list[str], previous: list[str], size: int) -> list[str]:
     """Order the gang: a node keeps its previous rank when it still fits, newcomers fill gaps.
 
+    Survivors of the previous round are chosen before newcomers when more joined than fit.
     Keeping ranks keeps each node next to the checkpoint files it wrote on its local tier;
     a spare replacing a lost node takes exactly the lost node's ranks.
     """
-    chosen = joined[:size]
+    survivors = [node for node in previous if node in joined]
+    chosen = (survivors + [node for node in joined if node not in survivors])[:size]
     order: list[str | None] = [None] * size
     for node in chosen:
         if node in previous and previous.index(node) < size:
             order[previous.index(node)] = node
     newcomers = iter(node for node in chosen if node not in order)
     return [slot if slot is not None else next(newcomers) for slot in order]
+
+
+class _Closing:
+    """What the closer of one round watches while it is open: the joins and the live nodes."""
+
+    def __init__(self, etcd: Etcd, prefix: str, number: int, changes: Changes) -> None:
+        self.number = number
+        self.joins_prefix = f"{prefix}joins/{number}/"
+        self.nodes_prefix = prefix + "nodes/"
+        self.joins = PrefixMirror(etcd, self.joins_prefix, changes=changes)
+        self.nodes = PrefixMirror(etcd, self.nodes_prefix, changes=changes)
+        self.min_reached_at: float | None = None
+
+    def ready(self) -> bool:
+        return self.joins.listed.is_set() and self.nodes.listed.is_set()
+
+    def joined(self) -> dict[str, str]:
+        """Live joiners in the order they joined -> the address of the store each offers."""
+        alive = self.alive()
+        joins = sorted(self.joins.snapshot().values(), key=lambda kv: kv.mod_revision)
+        out = {kv.key[len(self.joins_prefix):]: kv.value.decode() for kv in joins}
+        return {node: address for node, address in out.items() if node in alive}
+
+    def alive(self) -> set[str]:
+        return {key[len(self.nodes_prefix):] for key in self.nodes.snapshot()}
+
+    def close(self) -> None:
+        self.joins.close()
+        self.nodes.close()
 
 
 class EtcdV3RendezvousHandler(RendezvousHandler):
@@ -121,11 +174,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.conf = {**DEFAULTS, **{k: float(v) for k, v in timeouts.items()}}
         self.node = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.prefix = f"/resilient/{run_id}/"
-        self._round_key = self.prefix + "round"
-        self._closed_key = self.prefix + "closed"
+        self._round_key = self.prefix + "state/round"
+        self._closed_key = self.prefix + "state/closed"
         self._local_addr = local_addr
         self._keeper: LeaseKeeper | None = None
-        self._mirror = PrefixMirror(etcd, self.prefix)
+        self._changes = Changes()
+        self._state = PrefixMirror(etcd, self.prefix + "state/", changes=self._changes)
+        self._gone: DeletionWatch | None = None     # started at the first round this node sees
+        self._closing: _Closing | None = None       # while this node closes an open round
+        self._joined: int | None = None             # the round our join key is for
+        self._decoded: tuple[int, Round] | None = None
         self._server: TCPStore | None = None        # the store this agent offers or hosts
         # set by the agent while its workers re-form in-process without the lost nodes:
         # a lost member is then theirs to handle (``on_lost`` tells them), not a new round's
@@ -168,7 +226,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 log.warning("could not mark run %s closed in etcd: %s", self.run_id, exc)
         if self._keeper is not None:
             self._keeper.close()
-        self._mirror.close()
+        self._stop_closing()
+        for watch in (self._state, self._gone):
+            if watch is not None:
+                watch.close()
         self._server = None
         self.events.close()
         return True
@@ -176,28 +237,24 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nonzero when the running gang must re-form: the agent then restarts its workers.
 
-        Counts a lost lease of our own (fenced), a newer round opened by someone, members
-        of our round whose lease expired, and live nodes waiting while the gang is below MAX.
-        Reads only the local mirror: the agent calls this every monitor interval.
+        Counts a lost lease of our own (fenced), a newer round opened by someone (a lost
+        member's survivor, a newcomer while the gang is below MAX, a member whose workers
+        failed) and members of our round whose lease expired. Reads only the local watches:
+        the agent calls this every monitor interval.
         """
         if self._running is None or self._keeper is None:
             return 0
         if self._keeper.lost.is_set():
             return self._restart("fenced", "this node lost its etcd lease", 1)
-        kvs = self._mirror.snapshot()
+        kvs = self._state.snapshot()
         if self._closed_key in kvs or self._round_key not in kvs:
             return 0
-        current = Round.decode(kvs[self._round_key])
+        current = self._decode(kvs[self._round_key])
         if current.number != self._running.number:
-            return self._restart("new_round", f"round {current.number} opened", max(1, len(current.joined)))
-        alive = self._alive(kvs)
-        lost = self._report_lost(alive)
+            return self._restart("new_round", f"round {current.number} opened", 1)
+        lost = self._report_lost()
         if lost and not self.ignore_lost:
             return self._restart("lost", f"lost {', '.join(lost)}", len(lost))
-        if len(self._running.members) < self.max_nodes:
-            waiting = [n for n in alive if n not in self._running.members]
-            if waiting:
-                return self._restart("joined", f"{', '.join(waiting)} waiting to join", len(waiting))
         return 0
 
     def _restart(self, cause: str, detail: str, count: int) -> int:
@@ -210,10 +267,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                                  round=self._running.number if self._running else None)
         return count
 
-    def _report_lost(self, alive: list[str]) -> list[str]:
+    def _lost(self, state: Round) -> list[str]:
+        """Members of ``state`` whose lease expired since the round opened."""
+        gone = self._gone
+        return [] if gone is None else gone.gone_among(state.members, state.opened)
+
+    def _report_lost(self) -> list[str]:
         """Members of our round whose lease expired; each is reported once, when first seen
         (while training, or while re-forming after our workers failed first)."""
-        lost = [m for m in (self._running.members if self._running else []) if m not in alive]
+        lost = self._lost(self._running) if self._running else []
         new = [m for m in lost if m not in self._reported_lost]
         if new:
             self._reported_lost.update(new)
@@ -230,95 +292,119 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         outside this node's workers: a lost member, a new round, our own lease lost."""
         deadline = time.monotonic() + timeout
         while True:
-            version = self._mirror.version
+            version = self._changes.version
             if self.num_nodes_waiting() > 0:
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            self._mirror.wait_change(version, timeout=min(left, 0.5))
+            self._changes.wait(version, timeout=min(left, 0.5))
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._joining_since = time.monotonic()
         deadline = self._joining_since + self.conf["join_timeout"]
         offered: str | None = None
-        min_reached_at: dict[int, float] = {}
         while True:
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
                     f"no gang of at least {self.min_nodes} node(s) formed for run {self.run_id!r} within "
                     f"join_timeout={self.conf['join_timeout']:.0f} s (etcd {self.etcd.spec})")
-            version = self._mirror.version
+            version = self._changes.version
             try:
                 if self._keeper is None or self._keeper.lost.is_set():
                     self._register()
                 if offered is None:
                     offered = self._offer_store()
-                kvs = self._mirror.snapshot()
-                if self._closed_key in kvs:
-                    raise RendezvousClosedError(f"run {self.run_id!r} is closed (finished or abandoned)")
-                info = self._advance(kvs, offered, min_reached_at)
+                info = self._advance(offered) if self._state.listed.is_set() else None
             except OSError as exc:   # etcd unreachable for now: wait and try again
                 log.warning("rendezvous for %s: %s; retrying", self.run_id, exc)
                 time.sleep(0.5)
                 continue
             if info is not None:
                 return info
-            self._mirror.wait_change(version, timeout=0.5)
+            self._changes.wait(version, timeout=0.5)
 
     # -- the round protocol ------------------------------------------------------------------
-    def _advance(self, kvs: dict[str, KeyValue], offered: str,
-                 min_reached_at: dict[int, float]) -> RendezvousInfo | None:
+    def _advance(self, offered: str) -> RendezvousInfo | None:
         """One step towards a running round that includes this node; None: wait and retry."""
-        me = self.node
-        alive = self._alive(kvs)
-        self._report_lost(alive)
-        if me not in alive:
-            return None  # our registration is not mirrored yet
+        kvs = self._state.snapshot()
+        if self._closed_key in kvs:
+            raise RendezvousClosedError(f"run {self.run_id!r} is closed (finished or abandoned)")
         kv = kvs.get(self._round_key)
         if kv is None:
-            self._write(Round(1, "joining", {me: offered}), 0)
+            self._open(1, [], 0)
             return None
-        state, revision = Round.decode(kv), kv.mod_revision
+        state, revision = self._decode(kv), kv.mod_revision
+        if self._gone is None:
+            # every later event matters from the first round we see on: deletions since it opened
+            self._gone = DeletionWatch(self.etcd, self.prefix + "nodes/", state.opened, changes=self._changes)
+        if not self._gone.listed.is_set():
+            return None
+        me = self.node
+        self._report_lost()  # our previous round's members, while we re-form without them
 
         if state.phase == "running":
+            self._stop_closing()
             ours = self._running is not None and self._running.number == state.number
             if me in state.members and not ours:
                 return self._finish(state, revision, offered)
-            lost = any(m not in alive for m in state.members)
-            if ours or lost or len(state.members) < self.max_nodes:
-                self._write(Round(state.number + 1, "joining", {me: offered}, previous=state.members), revision)
+            if ours or self._lost(state) or len(state.members) < self.max_nodes:
+                self._open(state.number + 1, state.members, revision)
             return None  # otherwise: a spare, waiting for a place
 
-        if me not in state.joined:
-            if len(state.joined) < self.max_nodes:
-                self._write(Round(state.number, "joining", {**state.joined, me: offered},
-                                  previous=state.previous), revision)
+        if self._gone.gone(state.closer, state.opened) and state.closer != me:
+            self._open(state.number + 1, state.previous, revision)  # the closer was lost
             return None
-        gone = [n for n in state.joined if n not in alive]
-        if gone:
-            joined = {n: a for n, a in state.joined.items() if n not in gone}
-            self._write(Round(state.number, "joining", joined, previous=state.previous), revision)
-            return None
-        if len(state.joined) < self.min_nodes:
-            return None
-        first_full = min_reached_at.setdefault(state.number, time.monotonic())
-        everyone = set(alive) <= set(state.joined)
-        late = time.monotonic() - first_full >= self.conf["last_call_timeout"]
-        if len(state.joined) >= self.max_nodes or everyone or late:
-            joined = list(state.joined)
-            members = assign_ranks(joined, state.previous, min(len(joined), self.max_nodes))
-            self._write(Round(state.number, "running", state.joined, members, state.previous), revision)
+        if self._joined != state.number:
+            self.etcd.put(f"{self.prefix}joins/{state.number}/{me}", offered, lease=self._lease())
+            self._joined = state.number
+        if state.closer == me:
+            self._close(state, revision)
         return None
 
-    def _write(self, state: Round, expected_revision: int) -> bool:
-        return self.etcd.transact([same_revision(self._round_key, expected_revision)],
-                                  [(self._round_key, state.encode(), 0)])
+    def _open(self, number: int, previous: list[str], expected_revision: int) -> None:
+        """Open round ``number`` with this node as its closer, unless someone changed the
+        round first (then the watch brings their version). Our lease must be alive: the
+        others learn of our loss from its deletion after this write."""
+        state = Round(number, "joining", self.node, previous=previous)
+        self.etcd.transact([same_revision(self._round_key, expected_revision),
+                            exists(self.prefix + "nodes/" + self.node)],
+                           [(self._round_key, state.encode(), 0)])
+
+    def _close(self, state: Round, revision: int) -> None:
+        """As closer: once enough live nodes joined, write the membership (once)."""
+        if self._closing is None or self._closing.number != state.number:
+            self._stop_closing()
+            self._closing = _Closing(self.etcd, self.prefix, state.number, self._changes)
+        closing = self._closing
+        if not closing.ready():
+            return
+        joined = closing.joined()
+        if len(joined) < self.min_nodes:
+            return
+        if closing.min_reached_at is None:
+            closing.min_reached_at = time.monotonic()
+        everyone = closing.alive() <= set(joined)
+        late = time.monotonic() - closing.min_reached_at >= self.conf["last_call_timeout"]
+        if not (len(joined) >= self.max_nodes or everyone or late):
+            return
+        members = assign_ranks(list(joined), state.previous, min(len(joined), self.max_nodes))
+        running = Round(state.number, "running", self.node, members, joined[members[0]],
+                        state.previous, state.opened)
+        if self.etcd.transact([same_revision(self._round_key, revision)],
+                              [(self._round_key, running.encode(), 0)]):
+            self._stop_closing()
+            self.etcd.delete_prefix(closing.joins_prefix)  # nobody reads a closed round's joins
+
+    def _stop_closing(self) -> None:
+        if self._closing is not None:
+            self._closing.close()
+            self._closing = None
 
     def _finish(self, state: Round, revision: int, offered: str) -> RendezvousInfo:
         """Our place in a running round: rank, world size and the round's store."""
         rank = state.members.index(self.node)
-        address = state.joined[state.members[0]]
+        address = state.store
         host, _, port = address.rpartition(":")
         if address == offered:
             store: Any = self._server
@@ -341,15 +427,23 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                               RendezvousStoreInfo(host, int(port)))
 
     # -- helpers -------------------------------------------------------------------------------
-    def _alive(self, kvs: dict[str, KeyValue]) -> list[str]:
-        nodes = self.prefix + "nodes/"
-        return [key[len(nodes):] for key in kvs if key.startswith(nodes)]
+    def _decode(self, kv: KeyValue) -> Round:
+        """The round in ``kv``, decoded once per revision (a gang of thousands is a large value
+        and the agent polls every monitor interval)."""
+        if self._decoded is None or self._decoded[0] != kv.mod_revision:
+            self._decoded = (kv.mod_revision, Round.decode(kv))
+        return self._decoded[1]
+
+    def _lease(self) -> int:
+        assert self._keeper is not None
+        return self._keeper.lease
 
     def _register(self) -> None:
         """(Re)join etcd: a fresh lease, and our node key attached to it."""
         if self._keeper is not None:
             self._keeper.close(revoke=False)
         self._keeper = LeaseKeeper(self.etcd, int(self.conf["lease_ttl"]))
+        self._joined = None  # a join under the old lease is gone with it
         self.etcd.put(self.prefix + "nodes/" + self.node,
                       json.dumps({"host": socket.gethostname(), "pid": os.getpid()}),
                       lease=self._keeper.lease)

@@ -1,0 +1,403 @@
+"""Coordination at scale, simulated on one machine: N rendezvous agents against a real etcd.
+
+    python -m benchmarks.bench_scale [--agents 8,32,128,512,1024] [--procs 8]
+                                     [--backends etcd-v3,c10d] [--etcd single,cluster3]
+                                     [--json PATH] [--render PATH]
+
+Each agent is the real rendezvous handler of its backend (``EtcdV3RendezvousHandler``, or
+torch's ``DynamicRendezvousHandler`` on a c10d store built through torch's registry), with
+no training workers; the agents of one size are spread over ``--procs`` processes, one
+thread each, and started at one instant. Both backends run with ``--nnodes=N-1:N`` (so
+that they can re-form without the lost agent) and their default timeouts, except the
+etcd lease TTL (``--lease-ttl``). Figures per (backend, N):
+
+* **formation**: from the common start until every agent is ranked in one round of N;
+* **re-form after a loss**: one agent freezes (stops its lease keep-alive or its c10d
+  heartbeats, answers nothing); from then until every survivor is ranked in a round of N-1.
+  The etcd-v3 survivors learn of it themselves (lease expiry, the agent's own
+  ``num_nodes_waiting()`` poll every ``--monitor-interval``); the c10d survivors are told to
+  re-join at the instant of the freeze, as if their workers' collectives had failed at once
+  (more than a real torchrun gets: its only other signal is a worker failure);
+* **etcd requests and bytes per agent per round** (request and response bodies, watch
+  events included; lease keep-alives, which are per second, not per round, apart).
+
+The store and etcd run in this process's children; torch's c10d store is hosted by this
+process (as one agent's process hosts it in a real job). ``--json PATH`` writes one object
+per (backend, etcd, N). Where a size cannot run here (threads, ports, memory), the error
+says which limit stopped it and the table shows the sizes up to there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import shlex
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+ROUND_TIMEOUT_S = 180.0
+#: Set once the benchmark runs in a network namespace of its own with only loopback up.
+#: Why: torch's TCPStore client looks up the reverse name of every address it connects to,
+#: and this sandbox's resolver drops some queries (a 5 s stall, 1 connection in ~25, seen with
+#: strace: the query for 1.0.0.127.in-addr.arpa); with no route to any resolver the lookup
+#: fails at once. Both backends connect to TCPStores, so both run there.
+NETNS_ENV = "RESILIENT_BENCH_NETNS"
+
+
+@dataclass
+class Spec:
+    backend: str
+    endpoint: str
+    run_id: str
+    total: int
+    indices: list[int]
+    lease_ttl: int
+    monitor_interval: float
+
+
+def raise_fd_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+# -- the agents' side (child processes) ----------------------------------------------------------
+def _make_handler(spec: Spec) -> Any:
+    if spec.backend == "etcd-v3":
+        from resilient.launch._etcd import Etcd
+        from resilient.launch.rendezvous import EtcdV3RendezvousHandler
+
+        handler = EtcdV3RendezvousHandler(Etcd(spec.endpoint), spec.run_id, spec.total - 1, spec.total,
+                                          local_addr="127.0.0.1", lease_ttl=spec.lease_ttl,
+                                          join_timeout=ROUND_TIMEOUT_S)
+        handler.close_on_shutdown = False
+        return handler
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    params = RendezvousParameters("c10d", spec.endpoint, spec.run_id, spec.total - 1, spec.total,
+                                  is_host=False, join_timeout=str(int(ROUND_TIMEOUT_S)))
+    return get_rendezvous_handler(params)
+
+
+def _round_of(handler: Any) -> int:
+    running = getattr(handler, "_running", None)
+    if running is not None:
+        return running.number
+    return handler._state_holder.state.round
+
+
+def _freeze(handler: Any) -> None:
+    """The agent stops answering: no lease keep-alive (etcd) or heartbeat (c10d), no watch."""
+    if hasattr(handler, "_keeper"):
+        handler._keeper.close(revoke=False)
+        for watch in (handler._state, handler._gone):
+            if watch is not None:
+                watch.close()
+    else:
+        handler._stop_heartbeats()
+
+
+def serve(conn: Any, spec: Spec) -> None:
+    raise_fd_limit()
+    import logging
+
+    logging.disable(logging.WARNING)
+    import torch.distributed.elastic.rendezvous.registry  # noqa: F401 - imported before the clock starts
+
+    handlers: dict[int, Any] = {}
+    records: list[tuple[int, int, int, int, float]] = []   # index, round, rank, world, time
+    errors: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    frozen: set[int] = set()
+
+    def rendezvous(i: int) -> None:
+        try:
+            info = handlers[i].next_rendezvous()
+        except Exception as exc:  # noqa: BLE001
+            if i not in frozen and not stop.is_set():
+                with lock:
+                    errors.append(f"agent {i}: {type(exc).__name__}: {exc}")
+            return
+        with lock:
+            records.append((i, _round_of(handlers[i]), info.rank, info.world_size, time.time()))
+
+    def agent(i: int, start_at: float) -> None:
+        time.sleep(max(0.0, start_at - time.time()))
+        try:  # an agent starts: its handler, then its first rendezvous (what torchrun does)
+            handlers[i] = _make_handler(spec)
+        except Exception as exc:  # noqa: BLE001 - reported with the limit that failed
+            with lock:
+                errors.append(f"creating agent {i} ({len(handlers)} made in this process): "
+                              f"{type(exc).__name__}: {exc}")
+            return
+        rendezvous(i)
+        if spec.backend != "etcd-v3":
+            return  # c10d agents re-join when told (see the module docstring)
+        while not stop.wait(spec.monitor_interval):   # what torch's agent does while healthy
+            if i not in frozen and handlers[i].num_nodes_waiting() > 0:
+                rendezvous(i)
+
+    conn.send(("created", 0))
+    while True:
+        command, arg = conn.recv()
+        if command == "form":
+            for i in spec.indices:
+                threading.Thread(target=agent, args=(i, arg), daemon=True).start()
+        elif command == "kill":
+            if arg in handlers:
+                frozen.add(arg)
+                _freeze(handlers[arg])
+        elif command == "rejoin":
+            for i in list(handlers):
+                if i not in frozen:
+                    threading.Thread(target=rendezvous, args=(i,), daemon=True).start()
+        elif command == "report":
+            stats: dict[str, int] = {}
+            for h in list(handlers.values()):
+                for key, value in getattr(getattr(h, "etcd", None), "stats", {}).items():
+                    stats[key] = stats.get(key, 0) + value
+            with lock:
+                conn.send(("report", list(records), stats, list(errors)))
+        elif command == "stop":
+            stop.set()
+            for i, h in list(handlers.items()):
+                if i not in frozen:
+                    try:
+                        h.shutdown()
+                    except Exception:  # noqa: BLE001
+                        pass
+            conn.send(("stopped", None))
+            return
+
+
+# -- the driver ---------------------------------------------------------------------------------
+class Gang:
+    """The child processes of one (backend, N) case."""
+
+    def __init__(self, spec: Spec, procs: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipes = []
+        self.procs = []
+        for p in range(procs):
+            indices = list(range(p, spec.total, procs))
+            if not indices:
+                continue
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=serve, args=(child, Spec(**{**spec.__dict__, "indices": indices})),
+                               daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        for pipe in self.pipes:
+            kind, detail = pipe.recv()
+            if kind == "error":
+                self.close()
+                raise RuntimeError(detail)
+
+    def send(self, command: str, arg: Any = None) -> None:
+        for pipe in self.pipes:
+            pipe.send((command, arg))
+
+    def report(self) -> tuple[list[tuple[int, int, int, int, float]], dict[str, int], list[str]]:
+        self.send("report")
+        records, stats, errors = [], {}, []
+        for pipe in self.pipes:
+            _, r, s, e = pipe.recv()
+            records += r
+            errors += e
+            for key, value in s.items():
+                stats[key] = stats.get(key, 0) + value
+        return records, stats, errors
+
+    def wait_ranked(self, agents: set[int], world: int, after: float, timeout: float
+                    ) -> tuple[float | None, list[tuple[int, int, int, int, float]]]:
+        """Last time an agent of ``agents`` was ranked in the one round of ``world`` they share."""
+        deadline = time.time() + timeout
+        while True:
+            records, _, errors = self.report()
+            if errors:
+                raise RuntimeError("; ".join(errors[:3]))
+            by_round: dict[int, dict[int, float]] = {}
+            for i, rnd, _rank, w, t in records:
+                if t >= after and w == world and i in agents:
+                    by_round.setdefault(rnd, {})[i] = t
+            for members in by_round.values():
+                if set(members) == agents:
+                    return max(members.values()), records
+            if time.time() > deadline:
+                return None, records
+            time.sleep(0.25)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("stop", None))
+            except OSError:
+                pass
+        for pipe, proc in zip(self.pipes, self.procs):
+            try:
+                if pipe.poll(20):
+                    pipe.recv()
+            except (EOFError, OSError):
+                pass
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+def per_round(stats: dict[str, int], before: dict[str, int], agents: int, rounds: int) -> dict[str, float]:
+    """Requests and bytes per agent per round between two stats snapshots, keep-alives apart."""
+    delta = {k: stats.get(k, 0) - before.get(k, 0) for k in stats}
+    requests = sum(v for k, v in delta.items() if k.endswith(" requests") and "keepalive" not in k)
+    nbytes = sum(v for k, v in delta.items() if k.endswith(" bytes") and "keepalive" not in k)
+    return {"requests": requests / agents / rounds, "bytes": nbytes / agents / rounds}
+
+
+def run_case(backend: str, n: int, endpoint: str, procs: int, lease_ttl: int,
+             monitor_interval: float) -> dict[str, Any]:
+    spec = Spec(backend, endpoint, f"scale-{backend}-{n}-{time.time_ns()}", n, [], lease_ttl, monitor_interval)
+    gang = Gang(spec, min(procs, n))
+    result: dict[str, Any] = {"backend": backend, "agents": n, "procs": len(gang.procs)}
+    try:
+        _, stats0, _ = gang.report()
+        start = time.time() + 1.0
+        gang.send("form", start)
+        done, records = gang.wait_ranked(set(range(n)), n, start, ROUND_TIMEOUT_S)
+        if done is None:
+            result["error"] = f"no round of {n} within {ROUND_TIMEOUT_S:.0f} s"
+            return result
+        result["formation_s"] = round(done - start, 3)
+        result["formation_rounds"] = len({r[1] for r in records})
+        _, stats1, _ = gang.report()
+        t1 = time.time()
+        if backend == "etcd-v3":
+            result["formation_per_agent"] = per_round(stats1, stats0, n, 1)
+        time.sleep(1.0)  # steady state: only keep-alives
+        _, stats_idle, _ = gang.report()
+        victim = n - 1
+        killed = time.time()
+        gang.send("kill", victim)
+        if backend != "etcd-v3":
+            gang.send("rejoin")
+        done, _ = gang.wait_ranked(set(range(n - 1)), n - 1, killed, ROUND_TIMEOUT_S)
+        result["reform_s"] = round(done - killed, 3) if done is not None else None
+        if done is None:
+            result["error"] = f"no round of {n - 1} within {ROUND_TIMEOUT_S:.0f} s of the loss"
+        _, stats2, _ = gang.report()
+        if backend == "etcd-v3":
+            result["reform_per_agent"] = per_round(stats2, stats_idle, n - 1, 1)
+            keepalives = stats2.get("/lease/keepalive requests", 0) - stats1.get("/lease/keepalive requests", 0)
+            result["keepalives_per_agent_s"] = round(keepalives / n / (time.time() - t1), 3)
+        return result
+    finally:
+        gang.close()
+
+
+def _c10d_store(port: int) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=60))
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    def fmt(x: Any, unit: str = " s") -> str:
+        return "–" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else str(x)
+
+    sizes = sorted({r["agents"] for r in results})
+    etcds = sorted({r.get("etcd", "single") for r in results if r["backend"] == "etcd-v3"})
+    lines = ["| agents | " + " | ".join(f"etcd-v3 ({e}): ranked / re-formed" for e in etcds)
+             + " | c10d: ranked / re-formed | etcd-v3 requests (bytes) per agent per round: formation / re-form |",
+             "|---|" + "---|" * (len(etcds) + 2)]
+    for n in sizes:
+        row = [str(n)]
+        per = ""
+        for e in etcds:
+            r = next((x for x in results if x["backend"] == "etcd-v3" and x["agents"] == n
+                      and x.get("etcd", "single") == e), None)
+            row.append("–" if r is None else r.get("error") if "formation_s" not in r
+                       else f"{fmt(r['formation_s'])} / {fmt(r.get('reform_s'))}")
+            if r and "formation_per_agent" in r and not per:
+                f, g = r["formation_per_agent"], r.get("reform_per_agent") or {}
+                per = (f"{f['requests']:.1f} ({f['bytes'] / 1e3:.1f} kB) / "
+                       + (f"{g['requests']:.1f} ({g['bytes'] / 1e3:.1f} kB)" if g else "–"))
+        c = next((x for x in results if x["backend"] == "c10d" and x["agents"] == n), None)
+        row.append("–" if c is None else c.get("error") if "formation_s" not in c
+                   else f"{fmt(c['formation_s'])} / {fmt(c.get('reform_s'))}")
+        row.append(per or "–")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agents", default="8,32,128,256,512,1024")
+    p.add_argument("--procs", type=int, default=8, help="processes the agents are spread over")
+    p.add_argument("--backends", default="etcd-v3,c10d")
+    p.add_argument("--etcd", default="single", help="single, cluster3, or both: single,cluster3")
+    p.add_argument("--lease-ttl", type=int, default=5)
+    p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun's default")
+    p.add_argument("--no-netns", dest="netns", action="store_false",
+                   help="run in this network namespace (see NETNS_ENV) rather than a loopback-only one")
+    p.add_argument("--json", default=None, help="write the results here (one object per case)")
+    p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
+    args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)))
+        return
+    if args.netns and os.environ.get(NETNS_ENV) != "1" and os.geteuid() == 0 and shutil.which("unshare"):
+        # see NETNS_ENV: the whole simulation (etcd, stores, agents) moves to a loopback-only namespace
+        env = {**os.environ, NETNS_ENV: "1"}
+        command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "benchmarks.bench_scale", *(argv or sys.argv[1:])])
+        os.execvpe("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"], env)
+    hard = raise_fd_limit()
+    from resilient.devservices import EtcdCluster, EtcdServer, free_port
+
+    results: list[dict[str, Any]] = []
+    sizes = [int(x) for x in args.agents.split(",")]
+    print(f"# {os.cpu_count()} cores, open files limit {hard}, agents in {args.procs} processes", flush=True)
+    for backend in args.backends.split(","):
+        kinds = args.etcd.split(",") if backend == "etcd-v3" else ["-"]
+        for kind in kinds:
+            for n in sizes:
+                service: Any = None
+                try:
+                    if backend == "etcd-v3":
+                        service = (EtcdCluster(3) if kind == "cluster3" else EtcdServer()).start()
+                        endpoint = service.endpoints if kind == "cluster3" else service.endpoint
+                    else:
+                        port = free_port()
+                        service = _c10d_store(port)
+                        endpoint = f"127.0.0.1:{port}"
+                    result = run_case(backend, n, endpoint, args.procs, args.lease_ttl, args.monitor_interval)
+                except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
+                    result = {"backend": backend, "agents": n, "error": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    if service is not None and hasattr(service, "close"):
+                        service.close()
+                    service = None
+                if backend == "etcd-v3":
+                    result["etcd"] = kind
+                result["lease_ttl"] = args.lease_ttl
+                results.append(result)
+                print(json.dumps(result), flush=True)
+                if args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(results, f, indent=1)
+    print(render(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
