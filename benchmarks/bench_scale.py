@@ -180,11 +180,96 @@ def serve(conn: Any, spec: Spec) -> None:
             return
 
 
+def serve_regroup(conn: Any, spec: Spec) -> None:
+    """In-process regrouping: ``spec.indices`` are nodes, each an agent's heartbeat (the real
+    ``InProcessRecovery``) and ``spec.lease_ttl`` ranks (the real ``Regroup``), one thread each."""
+    raise_fd_limit()
+    import logging
+
+    logging.disable(logging.WARNING)
+    from resilient._regroup import Regroup
+    from resilient.launch._inprocess import InProcessRecovery
+
+    per_node = spec.lease_ttl
+    agents: dict[int, Any] = {}
+    ranks: dict[tuple[int, int], Any] = {}
+    gens: dict[tuple[int, int], Any] = {}
+    records: list[tuple[int, int, int, int, float]] = []
+    errors: list[str] = []
+    ops_at: dict[str, dict[tuple[int, int], int]] = {}
+    killed: set[int] = set()
+    lock = threading.Lock()
+
+    def form(key: tuple[int, int], start_at: float) -> None:
+        time.sleep(max(0.0, start_at - time.time()))
+        if key[0] in killed:
+            return
+        try:
+            if key not in ranks:
+                ranks[key] = Regroup(spec.endpoint, node=f"node{key[0]}", rank=key[0] * per_node + key[1],
+                                     initial_world_size=spec.total * per_node, heartbeat=False,
+                                     member_id=f"node{key[0]}-rank{key[1]}", stale_s=1.0, timeout=ROUND_TIMEOUT_S)
+            gen = gens[key] = ranks[key].form(gens.get(key))
+        except Exception as exc:  # noqa: BLE001
+            with lock:
+                errors.append(f"rank {key}: {type(exc).__name__}: {exc}")
+            return
+        with lock:
+            records.append((key[0] * per_node + key[1], gen.number, gen.rank, gen.world_size, time.time()))
+        # as ``@resilient.elastic`` does: the watcher thread interrupts the step, which re-forms
+        group = ranks.get(key)
+        if group is not None:
+            group.watch(gen, lambda reason: threading.Thread(target=form, args=(key, 0.0), daemon=True).start())
+
+    try:
+        for n in spec.indices:
+            agents[n] = InProcessRecovery(spec.endpoint, None, f"node{n}")
+    except Exception as exc:  # noqa: BLE001
+        conn.send(("error", f"creating node {len(agents)} of {len(spec.indices)} in one process: "
+                            f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("created", len(agents)))
+    while True:
+        command, arg = conn.recv()
+        if command == "form":
+            for n in spec.indices:
+                for r in range(per_node):
+                    threading.Thread(target=form, args=((n, r), arg), daemon=True).start()
+        elif command == "kill":  # the whole node: its agent's heartbeat and its ranks stop
+            if arg in agents:
+                killed.add(arg)
+                agents.pop(arg).close()
+                for key in [k for k in ranks if k[0] == arg]:
+                    ranks.pop(key).close()
+        elif command == "fail":  # a survivor's collective broke: it reports, the rest are told
+            key = (arg, 0)
+            if key in ranks:  # then it re-forms, as ``@resilient.elastic`` does after reporting
+                ranks[key].report_failure(gens[key], "a collective with the lost node failed")
+                threading.Thread(target=form, args=(key, 0.0), daemon=True).start()
+        elif command == "ops":
+            ops_at[arg] = {k: r.ops for k, r in ranks.items()}
+        elif command == "report":
+            stats: dict[str, int] = {}
+            if "before" in ops_at and "after" in ops_at:
+                survivors = [k for k in ops_at["after"] if k in ops_at["before"]]
+                stats = {"ranks": len(survivors),
+                         "ops": sum(ops_at["after"][k] - ops_at["before"][k] for k in survivors)}
+            with lock:
+                conn.send(("report", list(records), stats, list(errors)))
+        elif command == "stop":
+            for r in ranks.values():
+                r.close()
+            for a in agents.values():
+                a.close()
+            conn.send(("stopped", None))
+            return
+
+
 # -- the driver ---------------------------------------------------------------------------------
 class Gang:
     """The child processes of one (backend, N) case."""
 
-    def __init__(self, spec: Spec, procs: int) -> None:
+    def __init__(self, spec: Spec, procs: int, target: Any = serve) -> None:
         ctx = mp.get_context("spawn")
         self.pipes = []
         self.procs = []
@@ -193,7 +278,7 @@ class Gang:
             if not indices:
                 continue
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=serve, args=(child, Spec(**{**spec.__dict__, "indices": indices})),
+            proc = ctx.Process(target=target, args=(child, Spec(**{**spec.__dict__, "indices": indices})),
                                daemon=True)
             proc.start()
             self.pipes.append(parent)
@@ -303,6 +388,46 @@ def run_case(backend: str, n: int, endpoint: str, procs: int, lease_ttl: int,
         gang.close()
 
 
+def run_regroup_case(nodes: int, per_node: int, procs: int) -> dict[str, Any]:
+    """In-process regrouping of ``nodes`` x ``per_node`` ranks through one store (hosted here,
+    as the rank-0 agent hosts it): formation of generation 0, then one node lost."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    address = f"127.0.0.1:{server.port}/bench"
+    spec = Spec("regroup", address, "", nodes, [], per_node, 0.0)
+    gang = Gang(spec, min(procs, nodes), serve_regroup)
+    ranks = nodes * per_node
+    result: dict[str, Any] = {"backend": "regroup", "nodes": nodes, "ranks_per_node": per_node,
+                              "agents": nodes, "procs": len(gang.procs)}
+    try:
+        start = time.time() + 1.0
+        gang.send("form", start)
+        done, _ = gang.wait_ranked(set(range(ranks)), ranks, start, ROUND_TIMEOUT_S)
+        if done is None:
+            result["error"] = f"generation 0 of {ranks} ranks did not form within {ROUND_TIMEOUT_S:.0f} s"
+            return result
+        result["formation_s"] = round(done - start, 3)
+        gang.send("ops", "before")
+        victim = nodes - 1
+        killed = time.time()
+        gang.send("kill", victim)
+        gang.send("fail", 0)  # node 0's first rank saw its collective break; the others are told
+        survivors = set(range((nodes - 1) * per_node))
+        done, _ = gang.wait_ranked(survivors, len(survivors), killed, ROUND_TIMEOUT_S)
+        result["reform_s"] = round(done - killed, 3) if done is not None else None
+        if done is None:
+            result["error"] = f"no generation of {len(survivors)} ranks within {ROUND_TIMEOUT_S:.0f} s of the loss"
+        gang.send("ops", "after")
+        _, stats, _ = gang.report()
+        if stats.get("ranks"):
+            result["ops_per_rank"] = round(stats["ops"] / stats["ranks"], 2)
+        return result
+    finally:
+        gang.close()
+        del server
+
+
 def _c10d_store(port: int) -> Any:
     from torch.distributed import TCPStore
 
@@ -310,9 +435,29 @@ def _c10d_store(port: int) -> Any:
                     timeout=timedelta(seconds=60))
 
 
+def render_regroup(results: list[dict[str, Any]]) -> str:
+    lines = ["| nodes x ranks | generation 0 formed | one node lost → re-formed | store operations per rank per regroup |",
+             "|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r["nodes"]):
+        cells = ([r["error"], "", ""] if "formation_s" not in r else
+                 [_fmt(r["formation_s"]), _fmt(r.get("reform_s")), str(r.get("ops_per_rank", "–"))])
+        lines.append(f"| {r['nodes']} x {r['ranks_per_node']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(x: Any, unit: str = " s") -> str:
+    return "–" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else str(x)
+
+
 def render(results: list[dict[str, Any]]) -> str:
-    def fmt(x: Any, unit: str = " s") -> str:
-        return "–" if x is None else f"{x:.2f}{unit}" if isinstance(x, float) else str(x)
+    regroup = [r for r in results if r["backend"] == "regroup"]
+    results = [r for r in results if r["backend"] != "regroup"]
+    tables = [render_rendezvous(results)] if results else []
+    return "\n\n".join(tables + ([render_regroup(regroup)] if regroup else []))
+
+
+def render_rendezvous(results: list[dict[str, Any]]) -> str:
+    fmt = _fmt
 
     sizes = sorted({r["agents"] for r in results})
     etcds = sorted({r.get("etcd", "single") for r in results if r["backend"] == "etcd-v3"})
@@ -348,6 +493,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--etcd", default="single", help="single, cluster3, or both: single,cluster3")
     p.add_argument("--lease-ttl", type=int, default=5)
     p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun's default")
+    p.add_argument("--regroup", default="", metavar="NODES",
+                   help="also simulate in-process regrouping at these node counts (e.g. 8,128,1024)")
+    p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--no-netns", dest="netns", action="store_false",
                    help="run in this network namespace (see NETNS_ENV) rather than a loopback-only one")
     p.add_argument("--json", default=None, help="write the results here (one object per case)")
@@ -366,7 +514,22 @@ def main(argv: list[str] | None = None) -> None:
     from resilient.devservices import EtcdCluster, EtcdServer, free_port
 
     results: list[dict[str, Any]] = []
-    sizes = [int(x) for x in args.agents.split(",")]
+
+    def record(result: dict[str, Any]) -> None:
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    if args.regroup:
+        for nodes in (int(x) for x in args.regroup.split(",")):
+            try:
+                record(run_regroup_case(nodes, args.ranks_per_node, args.procs))
+            except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
+                record({"backend": "regroup", "nodes": nodes, "agents": nodes,
+                        "ranks_per_node": args.ranks_per_node, "error": f"{type(exc).__name__}: {exc}"})
+    sizes = [int(x) for x in args.agents.split(",") if x]
     print(f"# {os.cpu_count()} cores, open files limit {hard}, agents in {args.procs} processes", flush=True)
     for backend in args.backends.split(","):
         kinds = args.etcd.split(",") if backend == "etcd-v3" else ["-"]
@@ -391,11 +554,7 @@ def main(argv: list[str] | None = None) -> None:
                 if backend == "etcd-v3":
                     result["etcd"] = kind
                 result["lease_ttl"] = args.lease_ttl
-                results.append(result)
-                print(json.dumps(result), flush=True)
-                if args.json:
-                    with open(args.json, "w") as f:
-                        json.dump(results, f, indent=1)
+                record(result)
     print(render(results))
 
 

@@ -42,7 +42,7 @@ from ._checkpointer import Checkpointer
 from ._errors import GangChange, ResilientError, StateError, UnsupportedStateError
 from ._events import EventLog
 from ._peer_memory import PeerMemory, interface_towards
-from ._regroup import ENV, NODE_ENV, Generation, Regroup, RegroupError, parse_address
+from ._regroup import AGENT_HEARTBEAT_ENV, ENV, NODE_ENV, Generation, Regroup, RegroupError, parse_address
 from ._watchdog import HANG_EXIT_CODE
 
 __all__ = ["elastic", "PeerFailure", "HangError"]
@@ -198,13 +198,17 @@ class ElasticRuntime:
                         rank=int(os.environ.get("RANK", "0")),
                         initial_world_size=int(os.environ.get("WORLD_SIZE", "1")),
                         memory_address=memory.address if memory else "",
-                        stale_s=_env_seconds("RESILIENT_HEARTBEAT_TIMEOUT", 1.0))
+                        stale_s=_env_seconds("RESILIENT_HEARTBEAT_TIMEOUT", 1.0),
+                        # one heartbeat per node: the agent's, else the node's first worker's
+                        heartbeat=os.environ.get(AGENT_HEARTBEAT_ENV) != "1"
+                        and os.environ.get("LOCAL_RANK", "0") == "0")
         try:
             gen = group.form(None)
             while gen is not None:
                 self._init_process_group(group, gen)
                 if memory is not None:
-                    memory.set_peers([m.address for m in gen.members if m.address], _partner(gen))
+                    memory.set_peers(lambda gen=gen: [m.address for m in group.members(gen) if m.address],
+                                     gen.partner or None)
                 ckpt = Checkpointer(self.root, **self.options, _memory=memory, _on_hang=self._on_hang,
                                     _generation=gen.number, _join_pending=lambda: group.join_pending)
                 group.watch(gen, lambda reason: self._fail(PeerFailure(f"the gang failed: {reason}")))
@@ -348,17 +352,6 @@ def _env_seconds(name: str, default: float) -> float:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {raw!r}")
     return value
-
-
-def _partner(gen: Generation) -> str | None:
-    """The next member on another node keeps our copies (none on a single node: the local
-    disk already outlives a process)."""
-    me = gen.rank
-    for step in range(1, gen.world_size):
-        other = gen.members[(me + step) % gen.world_size]
-        if other.node != gen.members[me].node and other.address:
-            return other.address
-    return None
 
 
 def _destroy_process_group() -> None:

@@ -24,7 +24,7 @@ import socketserver
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from ._format import MANIFEST
 
@@ -85,7 +85,8 @@ class PeerMemory:
         self._files: dict[int, dict[str, bytes]] = {}   # step -> file name -> bytes (peers')
         self._own: dict[int, dict[str, str]] = {}       # step -> file name -> local path (ours)
         self._lock = threading.Lock()
-        self._peers: list[str] = []        # every member's address (ours included)
+        self._peer_source: list[str] | Callable[[], list[str]] = []  # every member's address (ours included)
+        self._peers_known: list[str] | None = None
         self._partner: str | None = None   # where our own files go
         self._send_lock = threading.Lock()
         self._pending: tuple[int, dict[str, str]] | None = None
@@ -151,9 +152,21 @@ class PeerMemory:
         return {"ok": True}
 
     # -- client side ---------------------------------------------------------------------------
-    def set_peers(self, addresses: list[str], partner: str | None) -> None:
-        """The gang's memory servers, and the one (on another node) that keeps our copies."""
-        self._peers, self._partner = list(addresses), partner
+    def set_peers(self, addresses: list[str] | Callable[[], list[str]], partner: str | None) -> None:
+        """The gang's memory servers, and the one (on another node) that keeps our copies.
+
+        ``addresses`` may be a function: a gang of thousands then reads its member list only
+        if a restore really has to look for files in peers' memory.
+        """
+        self._peer_source, self._partner = addresses, partner
+        self._peers_known: list[str] | None = None
+
+    @property
+    def _peers(self) -> list[str]:
+        if self._peers_known is None:
+            source = self._peer_source
+            self._peers_known = list(source() if callable(source) else source)
+        return self._peers_known
 
     def _request(self, address: str, header: dict[str, Any], payload: bytes = b"",
                  timeout: float = 30.0) -> tuple[dict[str, Any], bytes]:

@@ -3,27 +3,36 @@
 Worker processes of an elastic job (see ``_elastic``) agree on who is in the gang through a
 key-value store that outlives any of them (``resilient-run``'s agent hosts it, and exports
 its address as ``RESILIENT_REGROUP_STORE``). The gang passes through numbered
-*generations*; generation ``g``'s member list is written once, by whichever joiner first
-sees that it may close, with a compare-and-set, so every process reads the same list.
+*generations*; generation ``g``'s member list is written once, by its *closer*, with a
+compare-and-set, so every process reads the same list.
 
-Generation ``g+1`` may close once every member of ``g`` has either joined it, finished,
-or is known dead. Dead is learned three ways, fastest first: the member's agent marks it
-(it saw the process exit: within the agent's monitor interval); its heartbeat counter
-stopped moving for ``stale_s`` (a whole node gone); it has not joined ``join_grace_s``
-after the first joiner (alive but stuck; it can join a later generation). Generation 0
-closes when the launcher's whole world has joined.
+What each process does per generation is a constant number of store operations, whatever
+the size of the gang: it counts itself in (``arrivals/<g>``; the first to arrive is the
+closer), appends its record to ``joins/<g>``, then *waits on a key* (``members/<g>``, then
+``go/<g>``) instead of polling. Only the closer looks at everyone: it reads the append-only
+logs (joins, deaths, finishes), and closes generation ``g+1`` once every member of ``g``
+has joined it, finished, or is known dead. Dead is learned three ways, fastest first: the
+member's agent appends it to ``dead`` (it saw the process exit: within the agent's monitor
+interval); its *node's* heartbeat (``hb/<node>``, one per node: the agent's, or the first
+local worker's without an agent) stopped moving for ``stale_s`` (a whole node gone); it has
+not joined ``join_grace_s`` after the first joiner (alive but stuck; it can join a later
+generation). The closer looks at heartbeats only of the nodes it still waits for. If the
+closer itself dies, a waiter that finds the closer's node silent (or the closer marked
+dead) takes its place. Generation 0 closes when the launcher's whole world has joined.
 
-A process that arrives after its generation closed (a replacement started by the agent)
-registers for the next one and sets the running generation's *joining* key. The members
+A generation's failure is one key, ``failed/<g>``, announced through ``notice/<g>``: every
+member's watcher thread blocks on ``notice/<g>`` (one operation, woken by the store) rather
+than polling. A process that arrives after its generation closed (a replacement started by
+the agent) registers for the next one and sets ``joining/<g>`` and the notice. The members
 see it at their next checkpoint (``Checkpointer.save`` that is due; one tiny collective
 there makes them agree), commit that step and re-form with the newcomer, which restores
 it: growing loses no steps and costs the other steps nothing. If no checkpoint comes for
-``NEWCOMER_PATIENCE_S``, the newcomer raises the *failed* flag instead, which each member's
-heartbeat thread turns into an interruption.
+``NEWCOMER_PATIENCE_S``, the newcomer raises the *failed* flag instead.
 
-Keys (all under ``<token>/``): ``hb/<id>`` heartbeat counter, ``dead/<id>``, ``done/<id>``,
-``join/<g>`` arrival counter with ``join/<g>/<n>`` member records, ``members/<g>``,
-``latest``, ``failed/<g>``, ``joining/<g>``, ``finished``, ``ready/<g>``, ``elastic``.
+Keys (all under ``<token>/``): ``hb/<node>``, ``dead`` and ``dead/<id>`` (by agents),
+``done`` (log) and ``done/<g>`` (count), ``arrivals/<g>``, ``joins/<g>``, ``members/<g>``,
+``ready/<g>``, ``go/<g>``, ``latest``, ``failed/<g>``, ``joining/<g>``, ``notice/<g>``,
+``finished``, ``elastic``.
 """
 
 from __future__ import annotations
@@ -34,21 +43,26 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from ._errors import ResilientError
 
-__all__ = ["Member", "Generation", "Regroup", "RegroupError", "parse_address", "ENV", "NODE_ENV"]
+__all__ = ["Member", "Generation", "Regroup", "RegroupError", "parse_address", "raise_failed", "ENV", "NODE_ENV",
+           "AGENT_HEARTBEAT_ENV", "HEARTBEAT_S"]
 
 log = logging.getLogger("resilient")
 
 ENV = "RESILIENT_REGROUP_STORE"  # host:port/token, set by resilient-run's agent
 NODE_ENV = "RESILIENT_NODE_ID"   # the agent's name in the rendezvous: how workers name their node
+# set by resilient-run's agent, which heartbeats for its node: its workers then need not
+AGENT_HEARTBEAT_ENV = "RESILIENT_AGENT_HEARTBEAT"
 HEARTBEAT_S = 0.25
+# how long a watcher that does not heartbeat sleeps in one wait (woken early by the store)
+IDLE_WAIT_S = 5.0
 # a newcomer waits this long for the members' next checkpoint before interrupting them
 NEWCOMER_PATIENCE_S = 600.0
 POLL_S = 0.01
@@ -68,25 +82,48 @@ class Member:
 
 @dataclass
 class Generation:
+    """One member's view of a generation: its seat (rank, world size, peer-copy partner),
+    and the whole member list only when something needs it (it is O(N) bytes to read)."""
+
     number: int
-    members: list[Member]
-    me: str = field(default="")
+    rank: int
+    world_size: int
+    partner: str = ""                      # the member on another node that keeps our peer copies
+    members: list[Member] | None = None    # rank order; see Regroup.members()
 
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
-
-    @property
-    def rank(self) -> int:
-        return next(i for i, m in enumerate(self.members) if m.id == self.me)
-
-    def encode(self) -> str:
-        return json.dumps({"number": self.number, "members": [asdict(m) for m in self.members]})
+    @staticmethod
+    def encode_members(number: int, members: list[Member]) -> str:
+        return json.dumps({"number": number, "members": [asdict(m) for m in members]})
 
     @classmethod
-    def decode(cls, raw: bytes | str, me: str) -> "Generation":
+    def from_members(cls, raw: bytes | str, me: str) -> "Generation | None":
+        """Our seat in a member list (None: not in it)."""
         data = json.loads(raw)
-        return cls(data["number"], [Member(**m) for m in data["members"]], me)
+        members = [Member(**m) for m in data["members"]]
+        rank = next((i for i, m in enumerate(members) if m.id == me), None)
+        if rank is None:
+            return None
+        return cls(data["number"], rank, len(members), partner_of(members, rank), members)
+
+    def seat(self) -> str:
+        return json.dumps({"number": self.number, "rank": self.rank, "world_size": self.world_size,
+                           "partner": self.partner})
+
+    @classmethod
+    def from_seat(cls, raw: bytes | str) -> "Generation":
+        data = json.loads(raw)
+        return cls(int(data["number"]), int(data["rank"]), int(data["world_size"]), str(data["partner"]))
+
+
+def partner_of(members: list[Member], rank: int) -> str:
+    """The next member on another node keeps a member's peer copies (none on a single node:
+    the local disk already outlives a process)."""
+    mine = members[rank]
+    for step in range(1, len(members)):
+        other = members[(rank + step) % len(members)]
+        if other.node != mine.node and other.address:
+            return other.address
+    return ""
 
 
 def parse_address(value: str) -> tuple[str, int, str]:
@@ -104,33 +141,109 @@ def _connect(host: str, port: int, timeout: float) -> dist.Store:
                          wait_for_workers=False)
 
 
+class CountingStore:
+    """A store client that counts its operations (what the scale benchmark reports per rank)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.inner = store
+        self.ops = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.ops += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _log_entries(raw: bytes) -> list[str]:
+    return [entry for entry in raw.decode().split("\n") if entry]
+
+
+class _Log:
+    """An append-only store key read incrementally: each read parses only what is new."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+        self.entries: list[str] = []
+        self._seen = 0
+
+    def read(self) -> list[str]:
+        if not self.store.check([self.key]):
+            return self.entries
+        raw = self.store.get(self.key)
+        if len(raw) > self._seen:
+            self.entries += _log_entries(raw[self._seen:])
+            self._seen = len(raw)
+        return self.entries
+
+
+class _Progress:
+    """Whether a count (arrivals, ready members) stopped moving, and when to look closer."""
+
+    STALL_S = 0.1     # no change for this long: look at who is missing
+    LOOK_S = 0.1      # while stalled, look at most this often
+
+    def __init__(self) -> None:
+        self.count = -1
+        self.changed = self.looked = time.monotonic()
+
+    def update(self, count: int) -> bool:
+        """Record the count; True when it has not moved for STALL_S."""
+        now = time.monotonic()
+        if count != self.count:
+            self.count, self.changed = count, now
+        return now - self.changed >= self.STALL_S
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.looked >= self.LOOK_S:
+            self.looked = now
+            return True
+        return False
+
+    def idle(self) -> bool:
+        return time.monotonic() - self.changed >= 5 * self.STALL_S
+
+
 class Regroup:
     """One worker process's view of the gang: join generations, heartbeat, watch for failure."""
 
     def __init__(self, address: str, *, node: str, rank: int, initial_world_size: int,
                  memory_address: str = "", stale_s: float = 2.0, join_grace_s: float = 30.0,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, heartbeat: bool = True, member_id: str = "") -> None:
         host, port, token = parse_address(address)
         self.host = host
-        self.me = f"{socket.gethostname()}:{os.getpid()}"
+        # host:pid is what the agent marks dead; a simulation of many members in one process
+        # names them itself
+        self.me = member_id or f"{socket.gethostname()}:{os.getpid()}"
         self.node = node
         self.initial_world_size = initial_world_size
         self.memory_address = memory_address
         self.stale_s, self.join_grace_s, self.timeout = stale_s, join_grace_s, timeout
         try:
-            # two clients: the heartbeat thread never waits behind the main thread's requests
-            self._store = dist.PrefixStore(f"{token}/", _connect(host, port, 10.0))
-            self._beat_store = dist.PrefixStore(f"{token}/", _connect(host, port, 10.0))
+            # two clients: the watcher blocks in waits that must not hold up the main thread
+            self._store = CountingStore(dist.PrefixStore(f"{token}/", _connect(host, port, 10.0)))
+            self._watch_store = CountingStore(dist.PrefixStore(f"{token}/", _connect(host, port, 10.0)))
         except Exception as exc:
             raise RegroupError(f"cannot reach the regroup store at {host}:{port}: {exc}") from exc
         self._rank = rank
+        self._heartbeat = heartbeat             # this process speaks for its node's liveness
         self._watching: int | None = None   # generation whose failed flag interrupts us
         self.join_pending = False           # a newcomer waits to join the running generation
         self._on_failure: Callable[[str], None] | None = None
         self._stop = threading.Event()
+        self._watch_changed = threading.Event()
         self._store.set("elastic", "1")
-        self._beat = threading.Thread(target=self._heartbeat, name="resilient-regroup-heartbeat", daemon=True)
-        self._beat.start()
+        self._watcher = threading.Thread(target=self._watch_loop, name="resilient-regroup-watch", daemon=True)
+        self._watcher.start()
+
+    @property
+    def ops(self) -> int:
+        """Store operations this process made (both clients)."""
+        return self._store.ops + self._watch_store.ops
 
     # -- forming a generation -----------------------------------------------------------------
     def form(self, previous: Generation | None) -> Generation | None:
@@ -148,142 +261,282 @@ class Regroup:
             target = 0
         deadline = time.monotonic() + self.timeout
         while True:
-            gen = self._join(target, deadline)
+            gen = self._join(target, deadline, previous if previous and previous.number == target - 1 else None)
             if gen is None:  # closed without us: ask for the next one
                 target += 1
                 continue
             if self._ready(gen, deadline):
-                self._store.set("latest", str(gen.number))
                 return gen
+            previous = None  # we were in it, but it never ran: the closer reads what it needs
             target = gen.number + 1  # a member died before the group was up: once more
 
-    def _join(self, target: int, deadline: float) -> Generation | None:
+    def _join(self, target: int, deadline: float, previous: Generation | None) -> Generation | None:
         me = Member(self.me, self.node, self._rank, self.memory_address)
-        n = self._store.add(f"join/{target}", 1)
-        self._store.set(f"join/{target}/{n}", json.dumps(asdict(me)))
-        newcomer = False
-        if target > 0:
+        closer = self._store.add(f"arrivals/{target}", 1) == 1
+        self._store.append(f"joins/{target}", json.dumps(asdict(me)) + "\n")
+        if previous is None and target > 0:  # a replacement (or a retry): who ran before us?
             previous = self._members(target - 1)
-            newcomer = previous is not None and all(m.id != self.me for m in previous.members)
-            if newcomer:
-                # members checkpoint at their next step and re-form (``join_pending``)
-                self._store.set(f"joining/{target - 1}", self.me)
-            else:  # a member that failed: the others may not have noticed yet
-                self._store.compare_set(f"failed/{target - 1}", "", f"{self.me} re-forms generation {target}")
-        else:
-            previous = None
-        first_join = time.monotonic()
+        newcomer = previous is not None and previous.rank < 0
+        if newcomer:
+            # members checkpoint at their next step and re-form (``join_pending``)
+            self._store.set(f"joining/{target - 1}", self.me)
+            self._store.compare_set(f"notice/{target - 1}", "", "joining")
+        elif previous is not None:  # a member that failed: the others may not have noticed yet
+            raise_failed(self._store, target - 1, f"{self.me} re-forms generation {target}")
+        if closer:
+            self._store.set(f"closer/{target}", self._closer_record())
+            self._close(target, previous, deadline, newcomer)
+        return self._wait_seat(target, deadline)
+
+    def _waiter_timeout(self) -> float:
+        """How long a waiter sleeps between looks at the closer's health: long enough that
+        thousands of waiters cost the store little, short enough to replace a dead closer."""
+        return max(2.0 * self.stale_s, 1.0)
+
+    def _closer_record(self) -> str:
+        return json.dumps({"id": self.me, "node": self.node})
+
+    def _wait_seat(self, target: int, deadline: float) -> Generation | None:
+        """Wait on our seat in generation ``target`` (None: it closed without us); take over
+        closing if the closer died meanwhile."""
+        key = f"seat/{target}/{self.me}"
         beats: dict[str, tuple[int, float]] = {}
         while True:
+            try:
+                self._store.wait([key], timedelta(seconds=self._waiter_timeout()))
+                return Generation.from_seat(self._store.get(key))
+            except dist.DistStoreError:
+                pass
             if self._store.check([f"members/{target}"]):
-                gen = Generation.decode(self._store.get(f"members/{target}"), self.me)
-                return gen if any(m.id == self.me for m in gen.members) else None
-            joined = self._joined(target)
-            if self._may_close(target, previous, joined, beats, first_join):
-                order = {m.id: i for i, m in enumerate(previous.members)} if previous else {}
-                members = sorted(joined.values(), key=lambda m: (order.get(m.id, len(order)), m.rank, m.id))
-                proposal = Generation(target, members).encode()
-                self._store.compare_set(f"members/{target}", "", proposal)
-                continue  # read back whatever won
+                # closed, and no seat for us yet: the list says (a closer that died between
+                # writing the list and the seats costs each waiter one read of it)
+                return Generation.from_members(self._store.get(f"members/{target}"), self.me)
+            if time.monotonic() > deadline:
+                raise RegroupError(f"generation {target} did not form within {self.timeout:.0f} s")
+            if self._closer_dead(target, beats):
+                log.warning("resilient: the closer of generation %d is gone; closing it here", target)
+                previous = self._members(target - 1) if target > 0 else None
+                self._close(target, previous, deadline, False)
+
+    def _closer_dead(self, number: int, beats: dict[str, tuple[int, float]]) -> bool:
+        """Whether generation ``number``'s closer is known dead (marked, or its node silent);
+        if so, this process becomes the closer (True) unless another waiter did first."""
+        record = self._store.get(f"closer/{number}").decode()
+        closer = json.loads(record)
+        if closer["id"] == self.me:
+            return False
+        if not (self._store.check([f"dead/{closer['id']}"]) or self._node_silent(closer["node"], beats)):
+            return False
+        mine = self._closer_record()
+        return self._store.compare_set(f"closer/{number}", record, mine).decode() == mine
+
+    def _close(self, target: int, previous: Generation | None, deadline: float, newcomer: bool) -> None:
+        """As the closer: wait until every member of ``previous`` is accounted for, then
+        write the member list (once; whoever wins the compare-and-set, everyone reads it).
+
+        It polls one counter; it reads the logs only when the count could suffice or
+        arrivals stalled, and asks for heartbeats only once they stalled (then only the
+        missing members' nodes): a gang of thousands arriving costs it little.
+        """
+        if previous is not None:
+            self.members(previous)  # the closer looks at everyone: it reads the list once
+        joins = _Log(self._store, f"joins/{target}")
+        dead, done = _Log(self._store, "dead"), _Log(self._store, "done")
+        beats: dict[str, tuple[int, float]] = {}
+        first_join = time.monotonic()
+        progress = _Progress()
+        need = self.initial_world_size if previous is None else len(previous.members or [])
+        joined: dict[str, Member] = {}
+        while True:
+            count = self._store.add(f"arrivals/{target}", 0)
+            stalled = progress.update(count)
+            if count >= need or (stalled and progress.due()):
+                if self._store.check([f"members/{target}"]):
+                    return
+                joined = {m.id: m for m in map(_decode_member, joins.read())}
+                gone = set(dead.read()) | set(done.read())
+                if self._may_close(target, previous, joined, gone, beats, first_join, stalled):
+                    self._seat(target, previous, list(joined.values()))
+                    return
+                if previous is not None:
+                    need = len(joined) + sum(1 for m in previous.members or [] if m.id not in joined and m.id not in gone)
             if newcomer and time.monotonic() - first_join > NEWCOMER_PATIENCE_S:
                 # the members are not taking steps (a long evaluation, a hang): interrupt them
-                self._store.compare_set(f"failed/{target - 1}", "", f"{self.me} waits to join generation {target}")
+                raise_failed(self._store, target - 1, f"{self.me} waits to join generation {target}")
                 newcomer = False
             if time.monotonic() > deadline:
+                missing = [m.id for m in previous.members or [] if m.id not in joined] if previous else []
                 raise RegroupError(
-                    f"generation {target} did not form within {self.timeout:.0f} s: "
-                    f"{len(joined)} joined, waiting for "
-                    + (", ".join(m.id for m in previous.members if m.id not in joined) if previous
-                       else f"{self.initial_world_size} processes")
-                )
-            time.sleep(POLL_S)
+                    f"generation {target} did not form within {self.timeout:.0f} s: {count} joined, "
+                    f"waiting for " + (", ".join(missing[:10]) if previous else f"{self.initial_world_size} processes"))
+            # a newcomer alone waits for the members' next checkpoint: nothing to count meanwhile
+            time.sleep(POLL_S if not (newcomer and count <= 1) and not progress.idle() else 5 * POLL_S)
 
-    def _members(self, number: int) -> Generation | None:
-        key = f"members/{number}"
-        return Generation.decode(self._store.get(key), self.me) if self._store.check([key]) else None
+    def _seat(self, target: int, previous: Generation | None, joined: list[Member]) -> None:
+        """Write the member list (the compare-and-set decides between rival closers), then
+        every winner's member its own seat, all in one request."""
+        order = {m.id: i for i, m in enumerate(previous.members or [])} if previous else {}
+        members = sorted(joined, key=lambda m: (order.get(m.id, len(order)), m.rank, m.id))
+        proposal = Generation.encode_members(target, members)
+        if self._store.compare_set(f"members/{target}", "", proposal).decode() != proposal:
+            return  # another closer won; it seats its members
+        seats = [Generation(target, rank, len(members), partner_of(members, rank)).seat()
+                 for rank in range(len(members))]
+        self._store.multi_set([f"seat/{target}/{m.id}" for m in members], seats)
 
-    def _joined(self, target: int) -> dict[str, Member]:
-        count = self._store.add(f"join/{target}", 0)
-        keys = [f"join/{target}/{n}" for n in range(1, count + 1)]
-        out: dict[str, Member] = {}
-        if keys:
-            self._store.wait(keys, timedelta(seconds=10))
-            for raw in self._store.multi_get(keys):
-                m = Member(**json.loads(raw))
-                out[m.id] = m
-        return out
+    def members(self, gen: Generation) -> list[Member]:
+        """Generation ``gen``'s member list, read once (O(N) bytes) and kept."""
+        if gen.members is None:
+            gen.members = [Member(**m) for m in json.loads(self._store.get(f"members/{gen.number}"))["members"]]
+        return gen.members
 
     def _may_close(self, target: int, previous: Generation | None, joined: dict[str, Member],
-                   beats: dict[str, tuple[int, float]], first_join: float) -> bool:
+                   gone: set[str], beats: dict[str, tuple[int, float]], first_join: float,
+                   stalled: bool) -> bool:
         if previous is None:
             if target == 0:
                 return len(joined) >= self.initial_world_size
             return bool(joined)  # the gang before us is gone entirely
+        missing = [m for m in previous.members or [] if m.id not in joined and m.id not in gone]
+        if not missing or time.monotonic() - first_join >= self.join_grace_s:
+            return True
+        # heartbeats matter only once arrivals stopped; then only the missing members' nodes
+        return stalled and all(self._node_silent(node, beats) for node in {m.node for m in missing})
+
+    def _node_silent(self, node: str, beats: dict[str, tuple[int, float]]) -> bool:
+        """Whether ``node``'s heartbeat is older than ``stale_s``.
+
+        A heartbeat is the wall-clock time of its writer (as in torch's dynamic rendezvous),
+        so one read tells its age, even on the first look at a node: a closer that starts
+        looking only once arrivals stalled still finds a node silent one ``stale_s`` after it
+        died. Clocks skewed by more than a small fraction of ``stale_s`` would shift that; a
+        node never seen beating counts from the first look.
+        """
         now = time.monotonic()
-        for m in previous.members:
-            if m.id in joined or self._store.check([f"dead/{m.id}"]) or self._store.check([f"done/{m.id}"]):
-                continue
-            count = self._store.add(f"hb/{m.id}", 0)
-            seen = beats.get(m.id)
-            if seen is None or seen[0] != count:
-                beats[m.id] = (count, now)
-                seen = beats[m.id]
-            if now - seen[1] >= self.stale_s or now - first_join >= self.join_grace_s:
-                continue
-            return False
-        return True
+        key = f"hb/{node}"
+        if self._store.check([key]):
+            try:
+                return time.time() - float(self._store.get(key)) >= self.stale_s
+            except ValueError:
+                pass
+        first = beats.setdefault(node, (0, now))
+        return now - first[1] >= self.stale_s
+
+    def _members(self, number: int) -> Generation | None:
+        """Generation ``number`` with its member list (whether or not we are in it)."""
+        key = f"members/{number}"
+        if not self._store.check([key]):
+            return None
+        raw = self._store.get(key)
+        ours = Generation.from_members(raw, self.me)
+        if ours is not None:
+            return ours
+        members = [Member(**m) for m in json.loads(raw)["members"]]
+        return Generation(number, -1, len(members), "", members)  # rank -1: we were not in it
 
     def _ready(self, gen: Generation, deadline: float) -> bool:
         """Every member is still alive to set up the process group (no 30-minute hang on one
-        that died in between); False when one died."""
-        self._store.add(f"ready/{gen.number}", 1)
-        while self._store.add(f"ready/{gen.number}", 0) < gen.world_size:
-            if any(self._store.check([f"dead/{m.id}"]) for m in gen.members):
-                return False
+        that died in between); False when one died. The last to arrive says go; the closer
+        says stop when a member is marked dead or its node goes silent first."""
+        self._store.append(f"readylog/{gen.number}", self.me + "\n")
+        if self._store.add(f"ready/{gen.number}", 1) == gen.world_size:
+            self._store.compare_set(f"go/{gen.number}", "", "go")
+            self._store.set("latest", str(gen.number))
+        closing = json.loads(self._store.get(f"closer/{gen.number}"))["id"] == self.me
+        beats: dict[str, tuple[int, float]] = {}
+        dead, ready = _Log(self._store, "dead"), _Log(self._store, f"readylog/{gen.number}")
+        key = f"go/{gen.number}"
+        progress = _Progress()
+        while True:
+            try:
+                self._store.wait([key], timedelta(seconds=POLL_S * 5 if closing else self._waiter_timeout()))
+                return self._store.get(key) == b"go"
+            except dist.DistStoreError:
+                pass
+            closing = closing or self._closer_dead(gen.number, beats)
+            # the closer looks at the members not ready yet, once readiness stopped coming
+            if closing and progress.update(self._store.add(f"ready/{gen.number}", 0)) and progress.due():
+                waiting = [m for m in self.members(gen) if m.id not in set(ready.read())]
+                if set(dead.read()) & {m.id for m in waiting} or any(
+                        self._node_silent(node, beats) for node in {m.node for m in waiting}):
+                    self._store.compare_set(key, "", "stop")
             if time.monotonic() > deadline:
                 raise RegroupError(f"generation {gen.number}: not every member became ready")
-            time.sleep(POLL_S)
-        return True
 
     def process_group_store(self, gen: Generation) -> dist.Store:
         """Where generation ``gen``'s process group meets (and the Checkpointer reports)."""
-        return dist.PrefixStore(f"pg/{gen.number}/", self._store)
+        return dist.PrefixStore(f"pg/{gen.number}/", self._store.inner)
 
     # -- while a generation runs -------------------------------------------------------------
     def watch(self, gen: Generation, on_failure: Callable[[str], None]) -> None:
-        """Call ``on_failure(reason)`` (from the heartbeat thread) once if ``gen`` fails."""
+        """Call ``on_failure(reason)`` (from the watcher thread) once if ``gen`` fails."""
         self._on_failure = on_failure
+        self.join_pending = False
         self._watching = gen.number
+        self._watch_changed.set()
 
     def report_failure(self, gen: Generation, reason: str) -> None:
         self._watching = None
         try:
-            self._store.compare_set(f"failed/{gen.number}", "", f"{self.me}: {reason}"[:500])
+            raise_failed(self._store, gen.number, f"{self.me}: {reason}")
         except Exception as exc:
             raise RegroupError(f"cannot reach the regroup store: {exc}") from exc
 
     def finish(self, gen: Generation) -> None:
         """This member returned normally; with everyone done, the job is finished."""
         self._watching = None
-        self._store.set(f"done/{self.me}", "1")
-        if all(self._store.check([f"done/{m.id}"]) for m in gen.members):
+        self._store.append("done", self.me + "\n")
+        if self._store.add(f"done/{gen.number}", 1) == gen.world_size:
             self._store.set("finished", "1")
 
     def close(self) -> None:
         self._stop.set()
-        self._beat.join(timeout=2)
+        self._watch_changed.set()
+        self._watcher.join(timeout=2)
 
-    def _heartbeat(self) -> None:
-        store = self._beat_store
-        while not self._stop.wait(HEARTBEAT_S):
+    def _watch_loop(self) -> None:
+        """Heartbeat for the node (when this process speaks for it) and wait for the notice
+        of the generation we run in: one blocking wait, woken by the store."""
+        store = self._watch_store
+        # a member that does not heartbeat is woken by the notice, or by watch()/close()
+        interval = HEARTBEAT_S if self._heartbeat else IDLE_WAIT_S
+        while not self._stop.is_set():
             try:
-                store.add(f"hb/{self.me}", 1)
+                if self._heartbeat:
+                    store.set(f"hb/{self.node}", repr(time.time()))
+                self._watch_changed.clear()
                 watching = self._watching
-                self.join_pending = watching is not None and store.check([f"joining/{watching}"])
-                if watching is not None and store.check([f"failed/{watching}"]):
+                if watching is None:
+                    self._watch_changed.wait(interval)
+                    continue
+                key = f"failed/{watching}" if self.join_pending else f"notice/{watching}"
+                try:
+                    store.wait([key], timedelta(seconds=interval))
+                except dist.DistStoreError:
+                    continue  # nothing yet
+                if store.check([f"failed/{watching}"]):
                     reason = store.get(f"failed/{watching}").decode()
-                    if self._watching == watching and self._on_failure is not None:
+                    if self._watching == watching and self._on_failure is not None and not self._stop.is_set():
                         self._watching = None
                         self._on_failure(reason)
+                elif self._watching == watching:
+                    self.join_pending = True
             except Exception as exc:  # the store's host is gone: the next form() says so
-                log.debug("resilient: regroup heartbeat failed: %s", exc)
+                log.debug("resilient: regroup watcher failed: %s", exc)
+                self._stop.wait(interval)
+
+
+def raise_failed(store: Any, number: int, reason: str) -> None:
+    """Fail generation ``number`` (the first reason stays) and wake its members' watchers."""
+    store.compare_set(f"failed/{number}", "", reason[:500])
+    store.compare_set(f"notice/{number}", "", "failed")
+
+
+def mark_dead(store: Any, member_id: str) -> None:
+    """Record a member's death where both a closer's log read and a single check find it."""
+    store.set(f"dead/{member_id}", "1")
+    store.append("dead", member_id + "\n")
+
+
+def _decode_member(entry: str) -> Member:
+    return Member(**json.loads(entry))

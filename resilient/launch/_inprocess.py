@@ -3,8 +3,9 @@
 Per rendezvous round the rank-0 agent hosts a small TCPStore in which the round's worker
 processes re-form their gang without being restarted, and every agent learns its address
 through the round's rendezvous store. The address ends in a random token, so that workers
-of an earlier round never read this round's keys. Agents write into it only what they know
-first: that one of their workers died.
+of an earlier round never read this round's keys. Agents write into it what they know
+first (that one of their workers died, that a node was lost) and speak for their node's
+liveness: one heartbeat per node, not one per worker.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.multiprocessing.api import RunProcsResult
 
 from .._peer_memory import interface_towards
-from .._regroup import NODE_ENV, parse_address
+from .._regroup import HEARTBEAT_S, NODE_ENV, mark_dead, parse_address, raise_failed
 
 __all__ = ["InProcessRecovery", "NODE_ENV"]
 
 log = logging.getLogger(__name__)
 
 KEY = "resilient/regroup_store"
-PROBE_S = 0.5
+PROBE_S = HEARTBEAT_S  # the probe is also the node's heartbeat
 
 
 def _tcp_store(store: Store) -> Any:
@@ -39,8 +40,9 @@ def _tcp_store(store: Store) -> Any:
 
 
 class InProcessRecovery:
-    def __init__(self, address: str, server: TCPStore | None) -> None:
+    def __init__(self, address: str, server: TCPStore | None, node: str = "") -> None:
         self.address = address
+        self.node = node
         self._server = server  # held by the rank-0 agent: the store lives as long as it does
         host, port, token = parse_address(address)
         self._store = PrefixStore(f"{token}/", self._client(host, port))
@@ -65,9 +67,12 @@ class InProcessRecovery:
             self._last_ok = time.monotonic()
 
     def _answers(self, store: Store) -> bool:
-        """Ask the store (``elastic`` is set by the workers); False for good when it is gone."""
+        """Heartbeat for the node and ask the store (``elastic`` is set by the workers); False
+        for good when it is gone."""
         try:
-            self._elastic = store.check(["elastic"]) or self._elastic
+            if self.node:
+                store.set(f"hb/{self.node}", repr(time.time()))  # its age is what counts
+            self._elastic = self._elastic or store.check(["elastic"])
             return True
         except Exception:
             if not self._broken:
@@ -80,16 +85,16 @@ class InProcessRecovery:
         return not self._broken and self._answers(self._store)
 
     @classmethod
-    def for_round(cls, round_store: Store, group_rank: int) -> "InProcessRecovery":
-        """Host (rank 0) or look up this round's regroup store."""
+    def for_round(cls, round_store: Store, group_rank: int, node: str = "") -> "InProcessRecovery":
+        """Host (rank 0) or look up this round's regroup store; heartbeat there for ``node``."""
         if group_rank == 0:
             base = _tcp_store(round_store)
             host = interface_towards(getattr(base, "host", "127.0.0.1"), getattr(base, "port", 1))
             server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
             address = f"{host}:{server.port}/{secrets.token_hex(8)}"
             round_store.set(KEY, address)
-            return cls(address, server)
-        return cls(round_store.get(KEY).decode(), None)
+            return cls(address, server, node)
+        return cls(round_store.get(KEY).decode(), None, node)
 
     def active(self) -> bool:
         """Whether this round's workers recover in-process: they said so when they started,
@@ -102,7 +107,7 @@ class InProcessRecovery:
             return
         self._marked.add(pid)
         try:
-            self._store.set(f"dead/{socket.gethostname()}:{pid}", "1")
+            mark_dead(self._store, f"{socket.gethostname()}:{pid}")
         except Exception as exc:
             log.warning("could not mark worker %d dead in the regroup store: %s", pid, exc)
 
@@ -114,8 +119,11 @@ class InProcessRecovery:
                 return
             latest = self._store.get("latest").decode()
             members = json.loads(self._store.get(f"members/{latest}"))["members"]
-            if any(m["node"] in nodes for m in members):
-                self._store.compare_set(f"failed/{latest}", "", f"lost node(s) {', '.join(nodes)}")
+            lost = [m["id"] for m in members if m["node"] in nodes]
+            for member in lost:  # a closer then need not wait for their heartbeat to go stale
+                mark_dead(self._store, member)
+            if lost:
+                raise_failed(self._store, int(latest), f"lost node(s) {', '.join(nodes)}")
         except Exception as exc:
             log.warning("could not tell the workers to re-form: %s", exc)
 

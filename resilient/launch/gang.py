@@ -39,9 +39,11 @@ class Gang:
     def from_env(cls) -> "Gang | None":
         """The gang this process runs in, or None outside the etcd-v3 launcher."""
         raw = os.environ.get(GANG_ENV)
-        if not raw:
-            return None
-        info = json.loads(raw)
+        return cls.from_info(json.loads(raw)) if raw else None
+
+    @classmethod
+    def from_info(cls, info: dict) -> "Gang":
+        """From what the rendezvous handed the workers (``RESILIENT_GANG``'s content)."""
         return cls(Etcd(info["endpoints"], timeout=5.0), info["prefix"], int(info["round"]),
                    int(info["revision"]), info["node"], float(info["lease_ttl"]))
 

@@ -193,6 +193,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.last_change: str = ""                  # why num_nodes_waiting() last said "restart"
         self._detected_at: float | None = None      # when last_change was first seen
         self._reported_lost: set[str] = set()
+        self.gang_info: dict[str, Any] = {}
         mark_agent()  # the handler lives in the agent (resilient-run or torchrun)
         self.events = EventLog(os.environ.get("RESILIENT_EVENT_LOG") or None, -1, node=self.node)
         # torch's contract: shutdown() closes the run for every node. resilient-run's agent
@@ -417,10 +418,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.events.emit("round_formed", round=state.number, nodes=len(state.members), group_rank=rank,
                          members=state.members, reform_s=round(time.monotonic() - since, 6))
         self.last_change, self._detected_at = "", None
-        os.environ[GANG_ENV] = json.dumps({
-            "endpoints": self.etcd.spec, "prefix": self.prefix, "round": state.number,
-            "revision": revision, "node": self.node, "members": state.members,
-            "lease_ttl": self.conf["lease_ttl"]})
+        #: what this node's workers get as their gang (``RESILIENT_GANG``): their commit fence
+        self.gang_info = {"endpoints": self.etcd.spec, "prefix": self.prefix, "round": state.number,
+                          "revision": revision, "node": self.node, "members": state.members,
+                          "lease_ttl": self.conf["lease_ttl"]}
+        os.environ[GANG_ENV] = json.dumps(self.gang_info)
         log.info("[%s] round %d: rank %d of %d nodes, store %s", self.node, state.number,
                  rank, len(state.members), address)
         return RendezvousInfo(PrefixStore(f"/round-{state.number}", store), rank, len(state.members),

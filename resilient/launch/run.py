@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
@@ -26,6 +27,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+from .._regroup import AGENT_HEARTBEAT_ENV
 from .._regroup import ENV as REGROUP_ENV
 from ._inprocess import NODE_ENV, InProcessRecovery
 from .rendezvous import BACKEND, EtcdV3RendezvousHandler, create_handler
@@ -62,11 +64,14 @@ class ResilientAgent(LocalElasticAgent):
         super()._rendezvous(worker_group)
         if self._regroup is not None:
             self._regroup.close()
-        regroup = self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank)
-        os.environ[REGROUP_ENV] = regroup.address  # workers inherit the agent's environment
         handler = worker_group.spec.rdzv_handler
+        node = handler.node if isinstance(handler, EtcdV3RendezvousHandler) else \
+            f"{socket.gethostname()}/{worker_group.group_rank}"
+        regroup = self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank, node)
+        # workers inherit the agent's environment: where to re-form, their node's name, and
+        # that the agent heartbeats for the node
+        os.environ.update({REGROUP_ENV: regroup.address, NODE_ENV: node, AGENT_HEARTBEAT_ENV: "1"})
         if isinstance(handler, EtcdV3RendezvousHandler):
-            os.environ[NODE_ENV] = handler.node
             # a frozen node resets no connection: its peers wait in a collective until told
             handler.on_lost = lambda nodes: regroup.active() and regroup.fail_nodes(nodes)
 
