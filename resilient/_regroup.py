@@ -490,9 +490,10 @@ class Regroup:
             self._store.set("finished", "1")
 
     def close(self) -> None:
+        """Stop heartbeating and watching. Not waited for: the watcher may sit in a store
+        wait for up to IDLE_WAIT_S, and once stopped it calls nothing back."""
         self._stop.set()
         self._watch_changed.set()
-        self._watcher.join(timeout=2)
 
     def _watch_loop(self) -> None:
         """Heartbeat for the node (when this process speaks for it) and wait for the notice

@@ -140,11 +140,14 @@ def test_64_agents_form_lose_replace_grow_and_fence(etcd_server):
         second_lost.freeze()
         gang = [a for a in gang if a is not second_lost]
         wait_gang(gang, AGENTS - 1, TTL + 60)
-        # ... and a late joiner brings it back to MAX in the next round
+        shrunk = {a.handler.node: a.seat[1] for a in gang}
+        assert sorted(shrunk.values()) == list(range(AGENTS - 1))
+        # ... and a late joiner brings it back to MAX in the next round, in the free rank
         late = Agent(etcd_server.endpoint, run_id, AGENTS - 2, AGENTS)
         extra.append(late)
         wait_gang(gang + [late], AGENTS, 60)
-        assert late.seat[1] == ranks[second_lost.handler.node], "the late joiner did not fill the free ranks"
+        assert all(a.seat[1] == shrunk[a.handler.node] for a in gang)
+        assert late.seat[1] == AGENTS - 1
     finally:
         for a in agents + extra:
             a.stop()
