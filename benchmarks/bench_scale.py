@@ -323,6 +323,26 @@ class Gang:
                 return None, records
             time.sleep(0.25)
 
+    def form_all(self, size: int, result: dict[str, Any], what: str) -> list[tuple[int, int, int, int, float]] | None:
+        """Start every agent at one instant; wait for one round of ``size``. Sets
+        ``formation_s`` (or ``error``) in ``result``; the records, or None."""
+        start = time.time() + 1.0
+        self.send("form", start)
+        done, records = self.wait_ranked(set(range(size)), size, start, ROUND_TIMEOUT_S)
+        if done is None:
+            result["error"] = f"{what} of {size} did not form within {ROUND_TIMEOUT_S:.0f} s"
+            return None
+        result["formation_s"] = round(done - start, 3)
+        return records
+
+    def reformed(self, size: int, since: float, result: dict[str, Any], what: str) -> None:
+        """Wait for the survivors (the first ``size`` agents) to be ranked in one round of
+        ``size`` after ``since``: sets ``reform_s`` (and ``error`` if they never are)."""
+        done, _ = self.wait_ranked(set(range(size)), size, since, ROUND_TIMEOUT_S)
+        result["reform_s"] = round(done - since, 3) if done is not None else None
+        if done is None:
+            result["error"] = f"no {what} of {size} within {ROUND_TIMEOUT_S:.0f} s of the loss"
+
     def close(self) -> None:
         for pipe in self.pipes:
             try:
@@ -355,13 +375,9 @@ def run_case(backend: str, n: int, endpoint: str, procs: int, lease_ttl: int,
     result: dict[str, Any] = {"backend": backend, "agents": n, "procs": len(gang.procs)}
     try:
         _, stats0, _ = gang.report()
-        start = time.time() + 1.0
-        gang.send("form", start)
-        done, records = gang.wait_ranked(set(range(n)), n, start, ROUND_TIMEOUT_S)
-        if done is None:
-            result["error"] = f"no round of {n} within {ROUND_TIMEOUT_S:.0f} s"
+        records = gang.form_all(n, result, "round")
+        if records is None:
             return result
-        result["formation_s"] = round(done - start, 3)
         result["formation_rounds"] = len({r[1] for r in records})
         _, stats1, _ = gang.report()
         t1 = time.time()
@@ -374,10 +390,7 @@ def run_case(backend: str, n: int, endpoint: str, procs: int, lease_ttl: int,
         gang.send("kill", victim)
         if backend != "etcd-v3":
             gang.send("rejoin")
-        done, _ = gang.wait_ranked(set(range(n - 1)), n - 1, killed, ROUND_TIMEOUT_S)
-        result["reform_s"] = round(done - killed, 3) if done is not None else None
-        if done is None:
-            result["error"] = f"no round of {n - 1} within {ROUND_TIMEOUT_S:.0f} s of the loss"
+        gang.reformed(n - 1, killed, result, "round")
         _, stats2, _ = gang.report()
         if backend == "etcd-v3":
             result["reform_per_agent"] = per_round(stats2, stats_idle, n - 1, 1)
@@ -401,23 +414,14 @@ def run_regroup_case(nodes: int, per_node: int, procs: int) -> dict[str, Any]:
     result: dict[str, Any] = {"backend": "regroup", "nodes": nodes, "ranks_per_node": per_node,
                               "agents": nodes, "procs": len(gang.procs)}
     try:
-        start = time.time() + 1.0
-        gang.send("form", start)
-        done, _ = gang.wait_ranked(set(range(ranks)), ranks, start, ROUND_TIMEOUT_S)
-        if done is None:
-            result["error"] = f"generation 0 of {ranks} ranks did not form within {ROUND_TIMEOUT_S:.0f} s"
+        if gang.form_all(ranks, result, "generation 0") is None:
             return result
-        result["formation_s"] = round(done - start, 3)
         gang.send("ops", "before")
         victim = nodes - 1
         killed = time.time()
         gang.send("kill", victim)
         gang.send("fail", 0)  # node 0's first rank saw its collective break; the others are told
-        survivors = set(range((nodes - 1) * per_node))
-        done, _ = gang.wait_ranked(survivors, len(survivors), killed, ROUND_TIMEOUT_S)
-        result["reform_s"] = round(done - killed, 3) if done is not None else None
-        if done is None:
-            result["error"] = f"no generation of {len(survivors)} ranks within {ROUND_TIMEOUT_S:.0f} s of the loss"
+        gang.reformed((nodes - 1) * per_node, killed, result, "generation")
         gang.send("ops", "after")
         _, stats, _ = gang.report()
         if stats.get("ranks"):

@@ -54,7 +54,8 @@ class InProcessRecovery:
         self._broken = False  # the store's host is gone: in-process recovery is over this round
         self._closed = threading.Event()
         self._prober = PrefixStore(f"{token}/", self._client(host, port))
-        threading.Thread(target=self._probe, name="resilient-regroup-probe", daemon=True).start()
+        self._probe_thread = threading.Thread(target=self._probe, name="resilient-regroup-probe", daemon=True)
+        self._probe_thread.start()
 
     @staticmethod
     def _client(host: str, port: int) -> TCPStore:
@@ -170,5 +171,8 @@ class InProcessRecovery:
         pcontext._poll = poll
 
     def close(self) -> None:
+        """Stop the probe (and so the node's heartbeat) and wait for it: a thread inside a
+        store call when the interpreter exits can abort the process."""
         self._closed.set()
+        self._probe_thread.join(timeout=PROBE_S + 6.0)  # a store call times out after 5 s
         self._server = None

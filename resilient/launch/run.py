@@ -55,7 +55,11 @@ class ResilientAgent(LocalElasticAgent):
         handler = self._worker_group.spec.rdzv_handler
         if isinstance(handler, EtcdV3RendezvousHandler):
             handler.close_on_shutdown = False
-        result = super().run(role)
+        try:
+            result = super().run(role)
+        finally:
+            if self._regroup is not None:
+                self._regroup.close()  # its probe thread must not outlive the interpreter
         if isinstance(handler, EtcdV3RendezvousHandler):
             handler.close_on_shutdown = not result.is_failed()
         return result
