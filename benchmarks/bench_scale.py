@@ -164,7 +164,8 @@ def serve(conn: Any, spec: Spec) -> None:
         elif command == "report":
             stats: dict[str, int] = {}
             for h in list(handlers.values()):
-                for key, value in getattr(getattr(h, "etcd", None), "stats", {}).items():
+                etcd = getattr(h, "etcd", None)
+                for key, value in (etcd.stats_snapshot() if etcd is not None else {}).items():
                     stats[key] = stats.get(key, 0) + value
             with lock:
                 conn.send(("report", list(records), stats, list(errors)))

@@ -119,6 +119,11 @@ class Etcd:
         self.stats: Counter[str] = Counter()
 
     # -- plumbing ---------------------------------------------------------------------------
+    def stats_snapshot(self) -> dict[str, int]:
+        """A copy of :attr:`stats` (other threads keep counting meanwhile)."""
+        with self._lock:
+            return dict(self.stats)
+
     def count(self, path: str, nbytes: int, requests: int = 1) -> None:
         with self._lock:
             self.stats[f"{path} requests"] += requests
@@ -461,6 +466,8 @@ class DeletionWatch(_Watch):
 
     def __init__(self, etcd: Etcd, prefix: str, start_revision: int, *, changes: Changes | None = None) -> None:
         self._next = start_revision
+        #: bumped whenever what :meth:`gone_among` can answer changes: callers cache on it
+        self.epoch = 0
         self._deleted: dict[str, int] = {}
         self._present: tuple[set[str], int] | None = None
         self._relist = False
@@ -474,6 +481,7 @@ class DeletionWatch(_Watch):
                 self._present = ({key[len(self.key):] for key in kvs}, revision)
                 self._next = revision + 1
                 self._relist = False
+                self.epoch += 1
             self.changes.bump()
         self.listed.set()
         return self._next
@@ -489,6 +497,7 @@ class DeletionWatch(_Watch):
                 kv = _kv(event["kv"])
                 self._deleted[kv.key[len(self.key):]] = kv.mod_revision
                 self._next = max(self._next, kv.mod_revision + 1)
+                self.epoch += 1
         self.changes.bump()
 
     def gone(self, name: str, since: int) -> bool:

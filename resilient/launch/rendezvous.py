@@ -9,9 +9,9 @@ Keys under ``/resilient/<run>/`` (what each agent writes, reads and watches, per
   a transaction guarded by the revision the writer read; the revision of the closing write
   is the fencing token handed to workers. Every agent watches this one key.
 * ``state/closed``: the run finished or was abandoned.
-* ``joins/<round>/<id>``: an agent's join, under its lease, holding the address of the store
-  it would host as rank 0. Joins are separate keys, so N agents joining never race on one
-  value (joining is commutative); only the closer watches them.
+* ``joins/<round>/<id>``: an agent's join, under its lease (its host name). Joins are
+  separate keys, so N agents joining never race on one value (joining is commutative);
+  only the closer watches them.
 
 So per agent per round: one join put, one watched write of ``state/round`` when it opens and
 one when it closes (the membership, read once), and at most one losing open attempt. Lost
@@ -25,10 +25,10 @@ backend: torch's handler finds dead nodes by a heartbeat sweep (3 x 5 s) and alw
 its last-call timeout (30 s) for stragglers; here a node's liveness *is* its lease, so a
 round closes the moment every live node has joined, and the agent's own
 ``num_nodes_waiting()`` poll learns of a lost member as soon as etcd expires its lease.
-Each round gets a fresh TCPStore hosted by its rank-0 agent (started before joining, so
-closing a round needs no second exchange): nothing stale from an earlier round can be
-read by restarted workers, and losing the node that hosted the previous store loses
-nothing.
+Each round gets a fresh TCPStore hosted by its closer (started as it closes the round, its
+address written with the membership, so no second exchange): nothing stale from an earlier
+round can be read by restarted workers, and losing the node that hosted the previous store
+loses nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
+from etcd3gw.exceptions import Etcd3Exception
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -143,7 +144,7 @@ class _Closing:
         return self.joins.listed.is_set() and self.nodes.listed.is_set()
 
     def joined(self) -> dict[str, str]:
-        """Live joiners in the order they joined -> the address of the store each offers."""
+        """Live joiners in the order they joined -> their host names."""
         alive = self.alive()
         joins = sorted(self.joins.snapshot().values(), key=lambda kv: kv.mod_revision)
         out = {kv.key[len(self.joins_prefix):]: kv.value.decode() for kv in joins}
@@ -184,7 +185,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._closing: _Closing | None = None       # while this node closes an open round
         self._joined: int | None = None             # the round our join key is for
         self._decoded: tuple[int, Round] | None = None
-        self._server: TCPStore | None = None        # the store this agent offers or hosts
+        self._lost_cache: tuple[tuple[int, int, str, int], list[str]] | None = None
+        self._server: TCPStore | None = None        # the store this agent hosts (as a closer)
+        self._hosting = ""                          # its address
         # set by the agent while its workers re-form in-process without the lost nodes:
         # a lost member is then theirs to handle (``on_lost`` tells them), not a new round's
         self.ignore_lost = False
@@ -269,9 +272,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return count
 
     def _lost(self, state: Round) -> list[str]:
-        """Members of ``state`` whose lease expired since the round opened."""
+        """Members of ``state`` whose lease expired since the round opened (worked out again
+        only when a deletion arrived or the round changed: the agent asks every 0.1 s, and
+        once a node is lost the answer is a pass over a gang of thousands)."""
         gone = self._gone
-        return [] if gone is None else gone.gone_among(state.members, state.opened)
+        if gone is None:
+            return []
+        key = (gone.epoch, state.number, state.phase, state.opened)
+        if self._lost_cache is None or self._lost_cache[0] != key:
+            self._lost_cache = (key, gone.gone_among(state.members, state.opened))
+        return self._lost_cache[1]
 
     def _report_lost(self) -> list[str]:
         """Members of our round whose lease expired; each is reported once, when first seen
@@ -304,7 +314,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         self._joining_since = time.monotonic()
         deadline = self._joining_since + self.conf["join_timeout"]
-        offered: str | None = None
         while True:
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
@@ -314,19 +323,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             try:
                 if self._keeper is None or self._keeper.lost.is_set():
                     self._register()
-                if offered is None:
-                    offered = self._offer_store()
-                info = self._advance(offered) if self._state.listed.is_set() else None
+                info = self._advance() if self._state.listed.is_set() else None
             except OSError as exc:   # etcd unreachable for now: wait and try again
                 log.warning("rendezvous for %s: %s; retrying", self.run_id, exc)
                 time.sleep(0.5)
+                continue
+            except Etcd3Exception as exc:
+                # etcd refused a write under our lease ("lease not found": it expired while
+                # this node could not refresh it): join again under a fresh lease
+                log.warning("rendezvous for %s: etcd refused a request (%s); registering again",
+                            self.run_id, exc)
+                if self._keeper is not None:
+                    self._keeper.lost.set()
+                time.sleep(0.2)
                 continue
             if info is not None:
                 return info
             self._changes.wait(version, timeout=0.5)
 
     # -- the round protocol ------------------------------------------------------------------
-    def _advance(self, offered: str) -> RendezvousInfo | None:
+    def _advance(self) -> RendezvousInfo | None:
         """One step towards a running round that includes this node; None: wait and retry."""
         kvs = self._state.snapshot()
         if self._closed_key in kvs:
@@ -348,7 +364,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._stop_closing()
             ours = self._running is not None and self._running.number == state.number
             if me in state.members and not ours:
-                return self._finish(state, revision, offered)
+                return self._finish(state, revision)
             if ours or self._lost(state) or len(state.members) < self.max_nodes:
                 self._open(state.number + 1, state.members, revision)
             return None  # otherwise: a spare, waiting for a place
@@ -357,7 +373,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._open(state.number + 1, state.previous, revision)  # the closer was lost
             return None
         if self._joined != state.number:
-            self.etcd.put(f"{self.prefix}joins/{state.number}/{me}", offered, lease=self._lease())
+            self.etcd.put(f"{self.prefix}joins/{state.number}/{me}", socket.gethostname(), lease=self._lease())
             self._joined = state.number
         if state.closer == me:
             self._close(state, revision)
@@ -390,7 +406,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         if not (len(joined) >= self.max_nodes or everyone or late):
             return
         members = assign_ranks(list(joined), state.previous, min(len(joined), self.max_nodes))
-        running = Round(state.number, "running", self.node, members, joined[members[0]],
+        running = Round(state.number, "running", self.node, members, self._host_store(),
                         state.previous, state.opened)
         if self.etcd.transact([same_revision(self._round_key, revision)],
                               [(self._round_key, running.encode(), 0)]):
@@ -402,12 +418,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._closing.close()
             self._closing = None
 
-    def _finish(self, state: Round, revision: int, offered: str) -> RendezvousInfo:
+    def _finish(self, state: Round, revision: int) -> RendezvousInfo:
         """Our place in a running round: rank, world size and the round's store."""
         rank = state.members.index(self.node)
         address = state.store
         host, _, port = address.rpartition(":")
-        if address == offered:
+        if address == self._hosting:
             store: Any = self._server
         else:
             self._server = None  # another agent hosts this round's store
@@ -450,12 +466,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                       json.dumps({"host": socket.gethostname(), "pid": os.getpid()}),
                       lease=self._keeper.lease)
 
-    def _offer_store(self) -> str:
-        """Start the store this agent would host if it becomes rank 0 of the next round."""
+    def _host_store(self) -> str:
+        """Start the store of the round this agent closes (it hosts it for the round's life).
+
+        The closer hosts it rather than the future rank 0: only one agent per round starts
+        a server, and closing still needs no second exchange (the address goes out with the
+        membership). A fresh store per round: restarted workers never read stale keys.
+        """
         addr = self._local_addr or self.etcd.local_address()
         self._server = TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                                 timeout=timedelta(seconds=self.conf["store_timeout"]))
-        return f"{addr}:{self._server.port}"
+        self._hosting = f"{addr}:{self._server.port}"
+        return self._hosting
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
