@@ -444,10 +444,19 @@ def render_regroup(results: list[dict[str, Any]]) -> str:
     lines = ["| nodes x ranks | generation 0 formed | one node lost → re-formed | store operations per rank per regroup |",
              "|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["nodes"]):
-        cells = ([r["error"], "", ""] if "formation_s" not in r else
+        cells = ([_short(r["error"]), "", ""] if "formation_s" not in r else
                  [_fmt(r["formation_s"]), _fmt(r.get("reform_s")), str(r.get("ops_per_rank", "–"))])
         lines.append(f"| {r['nodes']} x {r['ranks_per_node']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _short(error: str) -> str:
+    """A table cell for a failed case (the JSON keeps the whole message)."""
+    if "did not form" in error or "RendezvousTimeoutError" in error:
+        return f"no round within {ROUND_TIMEOUT_S:.0f} s"
+    if error.startswith("EOFError"):
+        return "an agent process died"
+    return error[:60]
 
 
 def _fmt(x: Any, unit: str = " s") -> str:
@@ -475,14 +484,14 @@ def render_rendezvous(results: list[dict[str, Any]]) -> str:
         for e in etcds:
             r = next((x for x in results if x["backend"] == "etcd-v3" and x["agents"] == n
                       and x.get("etcd", "single") == e), None)
-            row.append("–" if r is None else r.get("error") if "formation_s" not in r
+            row.append("–" if r is None else _short(r["error"]) if "formation_s" not in r
                        else f"{fmt(r['formation_s'])} / {fmt(r.get('reform_s'))}")
             if r and "formation_per_agent" in r and not per:
                 f, g = r["formation_per_agent"], r.get("reform_per_agent") or {}
                 per = (f"{f['requests']:.1f} ({f['bytes'] / 1e3:.1f} kB) / "
                        + (f"{g['requests']:.1f} ({g['bytes'] / 1e3:.1f} kB)" if g else "–"))
         c = next((x for x in results if x["backend"] == "c10d" and x["agents"] == n), None)
-        row.append("–" if c is None else c.get("error") if "formation_s" not in c
+        row.append("–" if c is None else _short(c["error"]) if "formation_s" not in c
                    else f"{fmt(c['formation_s'])} / {fmt(c.get('reform_s'))}")
         row.append(per or "–")
         lines.append("| " + " | ".join(row) + " |")
