@@ -170,9 +170,12 @@ class InProcessRecovery:
 
         pcontext._poll = poll
 
-    def close(self) -> None:
-        """Stop the probe (and so the node's heartbeat) and wait for it: a thread inside a
-        store call when the interpreter exits can abort the process."""
+    def close(self, wait: bool = False) -> None:
+        """Stop the probe (and so the node's heartbeat). ``wait`` (before the agent exits):
+        wait for it, since a thread inside a store call when the interpreter exits can
+        abort the process; not between rounds, where the store of the round that ended may
+        be on a frozen node and a call to it takes its 5 s timeout."""
         self._closed.set()
-        self._probe_thread.join(timeout=PROBE_S + 6.0)  # a store call times out after 5 s
+        if wait:
+            self._probe_thread.join(timeout=PROBE_S + 6.0)
         self._server = None

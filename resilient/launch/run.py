@@ -59,7 +59,7 @@ class ResilientAgent(LocalElasticAgent):
             result = super().run(role)
         finally:
             if self._regroup is not None:
-                self._regroup.close()  # its probe thread must not outlive the interpreter
+                self._regroup.close(wait=True)  # its probe thread must not outlive the interpreter
         if isinstance(handler, EtcdV3RendezvousHandler):
             handler.close_on_shutdown = not result.is_failed()
         return result
