@@ -275,7 +275,7 @@ class Regroup:
         closer = self._store.add(f"arrivals/{target}", 1) == 1
         self._store.append(f"joins/{target}", json.dumps(asdict(me)) + "\n")
         if previous is None and target > 0:  # a replacement (or a retry): who ran before us?
-            previous = self._members(target - 1)
+            previous = self._generation(target - 1)
         newcomer = previous is not None and previous.rank < 0
         if newcomer:
             # members checkpoint at their next step and re-form (``join_pending``)
@@ -315,7 +315,7 @@ class Regroup:
                 raise RegroupError(f"generation {target} did not form within {self.timeout:.0f} s")
             if self._closer_dead(target, beats):
                 log.warning("resilient: the closer of generation %d is gone; closing it here", target)
-                previous = self._members(target - 1) if target > 0 else None
+                previous = self._generation(target - 1) if target > 0 else None
                 self._close(target, previous, deadline, False)
 
     def _closer_dead(self, number: int, beats: dict[str, tuple[int, float]]) -> bool:
@@ -422,7 +422,7 @@ class Regroup:
         first = beats.setdefault(node, (0, now))
         return now - first[1] >= self.stale_s
 
-    def _members(self, number: int) -> Generation | None:
+    def _generation(self, number: int) -> Generation | None:
         """Generation ``number`` with its member list (whether or not we are in it)."""
         key = f"members/{number}"
         if not self._store.check([key]):
