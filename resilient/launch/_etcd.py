@@ -191,21 +191,6 @@ class Etcd:
         result = self._call("/kv/txn", {"compare": list(compares), "success": _put_ops(puts), "failure": []})
         return bool(result.get("succeeded", False))
 
-    def transact_or_get(self, compares: Iterable[dict[str, Any]], puts: Iterable[tuple[str, bytes | str, int]],
-                        key: str) -> tuple[bool, int, KeyValue | None]:
-        """:meth:`transact`, reading ``key`` in the same request when the compares fail.
-
-        Returns (applied, revision of the write or read, ``key``'s value when not applied):
-        a writer that lost a race learns the winner's value without a second round trip.
-        """
-        failure = [{"request_range": {"key": _b64(key)}}]
-        result = self._call("/kv/txn", {"compare": list(compares), "success": _put_ops(puts), "failure": failure})
-        revision = int(result["header"]["revision"])
-        if result.get("succeeded", False):
-            return True, revision, None
-        kvs = (result.get("responses") or [{}])[0].get("response_range", {}).get("kvs", [])
-        return False, revision, _kv(kvs[0]) if kvs else None
-
     # -- leases -----------------------------------------------------------------------------
     def grant(self, ttl: int) -> int:
         return int(self._call("/lease/grant", {"TTL": int(ttl), "ID": 0})["ID"])
