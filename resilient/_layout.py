@@ -26,6 +26,7 @@ __all__ = [
     "replicated_slices",
     "chunk_bounds",
     "shard_box",
+    "sharding_order",
     "intersect",
     "contiguous_range",
     "replica_writer",
@@ -101,22 +102,55 @@ def shard_box(
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
     shard_dims: Sequence[int | None],
+    order: Sequence[int] | None = None,
 ) -> Box:
     """The box of the global tensor held at ``coordinate`` of a device mesh.
 
     ``shard_dims[i]`` is the tensor dimension that mesh dimension ``i`` shards, or None when
     mesh dimension ``i`` replicates. Several mesh dimensions may shard the same tensor
-    dimension; they split it in mesh order, as DTensor does.
+    dimension; each splits the piece left by the ones before it, in ``order`` (mesh order
+    by default, as DTensor's ``Shard`` does; FSDP2 + TP shards right to left, which DTensor
+    spells ``_StridedShard``, see ``sharding_order``).
     """
     offsets = [0] * len(global_shape)
     sizes = list(global_shape)
-    for mesh_dim, tensor_dim in enumerate(shard_dims):
+    for mesh_dim in order if order is not None else range(len(shard_dims)):
+        tensor_dim = shard_dims[mesh_dim]
         if tensor_dim is None:
             continue
         start, length = chunk_bounds(sizes[tensor_dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
         offsets[tensor_dim] += start
         sizes[tensor_dim] = length
     return Box(tuple(offsets), tuple(sizes))
+
+
+def sharding_order(
+    mesh_shape: Sequence[int], shard_dims: Sequence[int | None], split_factors: Sequence[int]
+) -> list[int] | None:
+    """The order in which mesh dimensions split the tensor, or None when no consistent
+    order exists.
+
+    ``split_factors[i] > 1`` says mesh dimension ``i`` splits a piece that later mesh
+    dimensions have already split into that many parts (right-to-left sharding, as FSDP2
+    applies on top of tensor parallelism). Such dimensions go after every plain one, the
+    rightmost first; each factor must equal the number of pieces its tensor dimension is
+    in by then, else the layout is not a box per rank and is refused.
+    """
+    plain = [i for i, f in enumerate(split_factors) if f <= 1]
+    strided = [i for i, f in enumerate(split_factors) if f > 1][::-1]
+    pieces: dict[int, int] = {}
+    for mesh_dim in plain + strided:
+        tensor_dim = shard_dims[mesh_dim]
+        if tensor_dim is None:
+            continue
+        before = pieces.get(tensor_dim, 1)
+        if split_factors[mesh_dim] > 1:
+            later = math.prod(mesh_shape[j] for j in range(mesh_dim + 1, len(shard_dims))
+                              if shard_dims[j] == tensor_dim and split_factors[j] <= 1)
+            if split_factors[mesh_dim] != later or before != later:
+                return None
+        pieces[tensor_dim] = before * mesh_shape[mesh_dim]
+    return plain + strided
 
 
 def intersect(a: Box, b: Box) -> Box | None:

@@ -124,6 +124,81 @@ def _tensor_names(node: dict[str, Any]) -> list[str]:
     return names
 
 
+def _optimizer_templates(optim: torch.optim.Optimizer, key: str, node: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Saved optimizer-state names -> the parameter whose placement they must take.
+
+    A freshly built optimizer has no state yet, so its saved state would come back as plain
+    full-size tensors next to sharded (DTensor) parameters, and the next ``step()`` would
+    mix the two. ``Optimizer.load_state_dict`` pairs the saved parameter ids with the live
+    parameters in group order; the same pairing tells which parameter each state belongs to.
+    A state tensor takes its parameter's placement when it has the parameter's global shape
+    (moments do; scalars such as ``step`` stay plain).
+    """
+    saved = dict(node.get("sd", node).get("items", []))
+    groups = build_value(saved["param_groups"], lambda name: None) if "param_groups" in saved else []
+    saved_ids = [pid for group in groups if isinstance(group, dict) for pid in group.get("params", [])]
+    live = [p for group in optim.param_groups for p in group["params"]]
+    by_id = {pid: p for pid, p in zip(saved_ids, live) if is_dtensor(p)}
+    templates: dict[str, torch.Tensor] = {}
+    state_path = f"{key}/state"
+    for name in _tensor_names(saved.get("state", {"t": "v", "v": None})):
+        pid, _, _field = name[len(state_path) + 1 :].partition("/")
+        param = by_id.get(int(pid)) if pid.lstrip("-").isdigit() else None
+        if param is not None:
+            templates[name] = param
+    return templates
+
+
+class _Destination:
+    """Where one saved tensor goes: ``buffer`` (CPU, contiguous) is read into, covering
+    ``box`` of the global tensor; then copied into ``local`` (the live tensor's memory) when
+    they differ. ``value`` is what the rebuilt state holds: the live tensor itself when the
+    target had one (so DTensors keep their sharding), else a new tensor."""
+
+    def __init__(self, live: torch.Tensor | None, local: torch.Tensor, buffer: torch.Tensor, box: Box) -> None:
+        self.live, self.local, self.buffer, self.box = live, local, buffer, box
+        self.value: torch.Tensor = live if live is not None else local
+
+    @classmethod
+    def into(cls, live: torch.Tensor, name: str) -> "_Destination":
+        if is_dtensor(live):
+            box, _, _ = dtensor_box(live, name)
+            local = live.to_local()
+        else:
+            box, local = Box((0,) * live.dim(), tuple(live.shape)), live
+        direct = local.device.type == "cpu" and local.is_contiguous()
+        buffer = local.detach() if direct else torch.empty(tuple(local.shape), dtype=local.dtype)
+        return cls(live, local, buffer, box)
+
+    @classmethod
+    def fresh(cls, meta: dict[str, Any]) -> "_Destination":
+        buffer = torch.empty(meta["shape"], dtype=dtype_from_name(meta["dtype"]))
+        return cls(None, buffer, buffer, Box((0,) * buffer.dim(), tuple(buffer.shape)))
+
+    @classmethod
+    def placed_like(cls, template: torch.Tensor, meta: dict[str, Any], name: str) -> "_Destination":
+        """A new DTensor with ``template``'s mesh and placements, this rank's part read."""
+        from torch.distributed.tensor import DTensor
+
+        box, _, _ = dtensor_box(template, name)
+        buffer = torch.empty(box.sizes, dtype=dtype_from_name(meta["dtype"]))
+        dest = cls(None, buffer, buffer, box)
+        device = template.to_local().device
+        dest.value = DTensor.from_local(
+            buffer.to(device), template.device_mesh, template.placements,
+            shape=template.shape, stride=template.stride(), run_check=False,
+        )
+        return dest
+
+    def finish(self) -> None:
+        if self.local.data_ptr() != self.buffer.data_ptr():
+            self.local.copy_(self.buffer)
+        if self.live is None and is_dtensor(self.value):
+            local = self.value.to_local()
+            if local.data_ptr() != self.buffer.data_ptr():
+                local.copy_(self.buffer)
+
+
 def load_checkpoint(
     state: MutableMapping[str, Any],
     manifest: dict[str, Any],
@@ -138,8 +213,7 @@ def load_checkpoint(
     tensors_meta = manifest["tensors"]
 
     # -- phase 1: check, and decide where every tensor goes ---------------------------------
-    # name -> (live tensor or None, its local part, CPU buffer read into, box it covers)
-    destinations: dict[str, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, Box]] = {}
+    destinations: dict[str, _Destination] = {}
     for key, target in state.items():
         node = saved_entries.get(key)
         if node is None:
@@ -157,29 +231,23 @@ def load_checkpoint(
             extra = sorted(saved_names - set(targets))
             if extra:
                 raise StateError(f"key {key!r}: the checkpoint of step {step} has entries the module lacks: {extra[:5]}")
+        templates = _optimizer_templates(target, key, node) if isinstance(target, torch.optim.Optimizer) else {}
         for name in saved_names:
             meta = tensors_meta[name]
-            t = targets.get(name)
-            if t is None:
-                dest = torch.empty(meta["shape"], dtype=dtype_from_name(meta["dtype"]))
-                destinations[name] = (None, dest, dest, Box((0,) * dest.dim(), tuple(dest.shape)))
-                continue
-            if is_dtensor(t):
-                box, _, _ = dtensor_box(t, name)
-                local = t.to_local()
+            if name in targets:
+                destinations[name] = _Destination.into(targets[name], name)
+            elif name in templates and list(templates[name].shape) == meta["shape"]:
+                destinations[name] = _Destination.placed_like(templates[name], meta, name)
             else:
-                box, local = Box((0,) * t.dim(), tuple(t.shape)), t
-            direct = local.device.type == "cpu" and local.is_contiguous()
-            cpu = local.detach() if direct else torch.empty(tuple(local.shape), dtype=local.dtype)
-            destinations[name] = (t, local, cpu, box)
+                destinations[name] = _Destination.fresh(meta)
 
     # -- phase 2: read ------------------------------------------------------------------------
     reader = _Reader(step_dir, manifest)
     try:
         reads: list[Task] = []
         copies: list[Task] = []
-        for name, (_, _, cpu, box) in destinations.items():
-            r, c = _fill(reader, name, tensors_meta[name], cpu, box)
+        for name, dest in destinations.items():
+            r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
             reads += r
             copies += c
         for future in [pool.submit(task) for task in reads]:
@@ -189,20 +257,16 @@ def load_checkpoint(
     with torch.no_grad():
         for task in copies:
             task()
-        for _, local, cpu, _ in destinations.values():
-            if local.data_ptr() != cpu.data_ptr():
-                local.copy_(cpu)
+        for dest in destinations.values():
+            dest.finish()
 
     # -- apply --------------------------------------------------------------------------------
-    def tensor_for(name: str) -> torch.Tensor:
-        live, _, cpu, _ = destinations[name]
-        return cpu if live is None else live
-
     for key, target in list(state.items()):
         node = saved_entries[key]
+        value = build_value(node, lambda name: destinations[name].value)
         if node["t"] in ("obj", "dict") and is_stateful(target):
-            target.load_state_dict(build_value(node, tensor_for))
+            target.load_state_dict(value)
         else:  # tensors loaded in place come back as the same objects
-            state[key] = build_value(node, tensor_for)
+            state[key] = value
     return record.get("rng")
 

@@ -17,7 +17,7 @@ import torch
 
 from ._errors import UnsupportedStateError
 from ._format import dtype_name
-from ._layout import Box, replica_writer, replicated_slices, shard_box
+from ._layout import Box, replica_writer, replicated_slices, shard_box, sharding_order
 
 try:  # DTensor is optional: older or stripped torch builds may lack it.
     from torch.distributed.tensor import DTensor
@@ -47,9 +47,11 @@ def dtensor_box(t: torch.Tensor, name: str) -> tuple[Box, int, int]:
     if coord is None:
         raise UnsupportedStateError(f"state[{name!r}]: this rank is not part of the tensor's mesh")
     shard_dims: list[int | None] = []
+    split_factors: list[int] = []
     replica_index, replicas = 0, 1
     for mesh_dim, placement in enumerate(t.placements):
-        if placement.is_shard():
+        factor = int(getattr(placement, "split_factor", 1))  # _StridedShard: FSDP2 over TP
+        if placement.is_shard() or (factor > 1 and hasattr(placement, "dim")):
             shard_dims.append(placement.dim)
         elif placement.is_replicate():
             shard_dims.append(None)
@@ -60,12 +62,19 @@ def dtensor_box(t: torch.Tensor, name: str) -> tuple[Box, int, int]:
                 f"state[{name!r}]: placement {placement} cannot be checkpointed; "
                 "redistribute partial tensors to Shard or Replicate first"
             )
-    box = shard_box(tuple(t.shape), tuple(mesh.shape), coord, shard_dims)
+        split_factors.append(factor)
+    order = sharding_order(tuple(mesh.shape), shard_dims, split_factors)
+    if order is None:
+        raise UnsupportedStateError(
+            f"state[{name!r}]: placements {list(t.placements)} on a mesh of shape {list(mesh.shape)} "
+            "do not give each rank one box of the tensor"
+        )
+    box = shard_box(tuple(t.shape), tuple(mesh.shape), coord, shard_dims, order)
     local_shape = tuple(t.to_local().shape)
     if local_shape != box.sizes:
         raise UnsupportedStateError(
             f"state[{name!r}]: local shard has shape {list(local_shape)} but placements "
-            f"{list(t.placements)} imply {list(box.sizes)} (strided sharding is not supported)"
+            f"{list(t.placements)} imply {list(box.sizes)}"
         )
     return box, replica_index, replicas
 

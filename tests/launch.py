@@ -76,9 +76,9 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[RankResult]:
 
 def run_ranks(
     scenario: str, world_size: int, args: dict, *, timeout: float = 90, env: dict | None = None,
-    expect_ok: bool = True,
+    expect_ok: bool = True, module: str = "tests.workers",
 ) -> list[RankResult]:
-    results = finish(start_ranks(scenario, world_size, args, env), timeout)
+    results = finish(start_ranks(scenario, world_size, args, env, module), timeout)
     if expect_ok:
         bad = [r for r in results if r.returncode != 0]
         assert not bad, "\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in bad)

@@ -151,13 +151,20 @@ def mismatch_on_one_rank(a: dict) -> None:
 
 SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank)}
 
-if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+def finish_scenario() -> None:
+    """End a scenario process: barrier, tear down the group, exit without interpreter teardown.
+
+    Skipping teardown: with DeviceMesh on 3 gloo ranks, torch 2.13 rarely aborts there
+    ("terminate called without an active exception", ~1 exit in 30 under pytest), after the
+    scenario has passed. The scenario's outcome is its exit status up to here.
+    """
     if dist.is_initialized():
         dist.barrier()  # nobody tears down while a peer still talks to the store host
         dist.destroy_process_group()
-    # Skip interpreter teardown: with DeviceMesh on 3 gloo ranks, torch 2.13 rarely aborts
-    # there ("terminate called without an active exception", ~1 exit in 30 under pytest),
-    # after the scenario has passed. The scenario's outcome is its exit status up to here.
     sys.stdout.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+    finish_scenario()

@@ -1,0 +1,185 @@
+"""Sharded-model scenarios (FSDP2, FSDP2 + TP, HSDP) run by ``tests.launch``, one per rank.
+
+Every scenario builds its model and optimizer fresh, as a user's script does after a
+restart, and compares against a reference computed in the same process: the full
+parameters and optimizer state gathered to plain tensors (``full_state``), which do not
+depend on the world size or mesh that produced them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from resilient import Checkpointer
+from tests.workers import finish_scenario, init
+
+DIM = 16
+HIDDEN = 34  # even for TP (2 x 17), uneven for FSDP inside it (9 + 8) and at world 3
+GLOBAL_BATCH = 12
+
+
+class Block(torch.nn.Module):
+    """Two linears whose hidden size gives uneven shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(DIM, HIDDEN)
+        self.down = torch.nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(DIM, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def build(mode: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A fresh model (same initial values everywhere) sharded as ``mode`` says, and Adam."""
+    torch.manual_seed(0)
+    model = Net()
+    if mode == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif mode == "hsdp":  # replicate across the first mesh dim, shard across the second
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif mode == "fsdp_tp":  # tensor parallel inside a node of 2, FSDP across
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp = min(world, 2)
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        raise ValueError(mode)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return model, optim
+
+
+def train_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, first: int, last: int) -> None:
+    """Steps ``first..last-1`` on the same global batch whatever the world size: the loss
+    is summed over the global batch so gradients do not depend on how it was split."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_world = data_parallel_position(model, rank, world)
+    for step in range(first, last):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(GLOBAL_BATCH, DIM, generator=g, dtype=torch.float64).float()
+        per = GLOBAL_BATCH // dp_world
+        rows = slice(dp_rank * per, (dp_rank + 1) * per)
+        loss = model(x[rows]).square().sum() / GLOBAL_BATCH
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def data_parallel_position(model: torch.nn.Module, rank: int, world: int) -> tuple[int, int]:
+    """(index, count) of this rank's data-parallel group: TP ranks see the same rows."""
+    mesh = next(model.parameters()).device_mesh
+    if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names:
+        return rank // 2, world // 2
+    return rank, world
+
+
+def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer state as plain full tensors keyed by parameter name."""
+    out: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        out[n] = p.full_tensor().detach().clone()
+    for p, st in optim.state.items():
+        for field, value in st.items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            out[f"{names[id(p)]}:{field}"] = full.detach().clone()
+    return out
+
+
+def placements_match(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    """Every optimizer state tensor shaped like its parameter has the parameter's placement."""
+    for p, st in optim.state.items():
+        for field, value in st.items():
+            if value.dim() == 0:
+                continue
+            assert hasattr(value, "placements"), f"{field} of a {tuple(p.shape)} parameter is a plain tensor"
+            assert value.placements == p.placements and value.device_mesh == p.device_mesh, (
+                field, value.placements, p.placements)
+            assert value.to_local().shape == p.to_local().shape, (field, value.to_local().shape)
+
+
+def reference_io():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    return get_state_dict, set_state_dict, StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def save(a: dict) -> None:
+    """Train ``a['steps']`` steps at this world size and save the last one; also keep the
+    full state through torch's own API (DCP ``get_state_dict``) as the reference."""
+    rank, world = init()
+    model, optim = build(a["mode"], world)
+    train_steps(model, optim, 0, a["steps"])
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        ckpt.save(a["steps"], {"model": model, "optim": optim}, force=True)
+    get_state_dict, _, options = reference_io()
+    model_sd, optim_sd = get_state_dict(model, optim, options=options)
+    reference = {"model": model_sd, "optim": optim_sd, "full": full_state(model, optim)}
+    if rank == 0:
+        torch.save(reference, a["reference"])
+    print(f"rank {rank} saved", flush=True)
+
+
+def resume(a: dict) -> None:
+    """Fresh model and optimizer (no warm-up step), restore: every parameter and optimizer
+    state must equal the saved one exactly and have its parameter's placement. Then one more
+    step against a twin loaded by torch's own API from the same saved values: bit-identical."""
+    rank, world = init()
+    model, optim = build(a["mode"], world)
+    with Checkpointer(a["root"]) as ckpt:
+        step = ckpt.restore({"model": model, "optim": optim})
+    assert step == a["steps"], step
+    placements_match(model, optim)
+    reference = torch.load(a["reference"], weights_only=True)
+    compare(full_state(model, optim), reference["full"], "after restore")
+    _, set_state_dict, options = reference_io()
+    twin_model, twin_optim = build(a["mode"], world)
+    set_state_dict(twin_model, twin_optim, model_state_dict=reference["model"],
+                   optim_state_dict=reference["optim"], options=options)
+    train_steps(model, optim, step, step + 1)
+    train_steps(twin_model, twin_optim, step, step + 1)
+    compare(full_state(model, optim), full_state(twin_model, twin_optim), "after the next step")
+    print(f"rank {rank} resumed {a['mode']} at world {world}", flush=True)
+
+
+def compare(got: dict, want: dict, when: str) -> None:
+    assert got.keys() == want.keys(), (when, sorted(got.keys() ^ want.keys()))
+    for key in want:
+        g, w = got[key], want[key]
+        assert g.dtype == w.dtype and torch.equal(g, w), (
+            f"{when}: {key} differs by {(g.double() - w.double()).abs().max().item()}")
+
+
+SCENARIOS = {f.__name__: f for f in (save, resume)}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+    finish_scenario()
