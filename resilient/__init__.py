@@ -14,6 +14,7 @@ from ._errors import (
     StorageError,
     UnsupportedStateError,
 )
+from ._per_rank import PerRank
 from ._policy import AnyOf, EveryNSeconds, EveryNSteps, KeepEvery, KeepLast
 from ._writer import SaveHandle
 
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
     "elastic",
+    "PerRank",
     "PeerFailure",
     "HangError",
     "GangChange",

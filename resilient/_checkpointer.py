@@ -21,10 +21,10 @@ from ._peer_memory import PeerMemory
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import load_checkpoint
 from ._rng import apply_rng, capture_rng
-from ._snapshot import RankPlan, Staging, layout_key, plan_rank
+from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
 from ._storage import LocalStorage, Storage, open_storage
 from ._transfer import copy_step, has_all_files
-from ._tree import flatten_state
+from ._tree import Flattened, flatten_state
 from ._uploader import Uploader
 from ._faults import from_env as faults_from_env
 from ._watchdog import from_env as watchdog_from_env
@@ -247,16 +247,13 @@ class Checkpointer:
         joining = self._join_pending is not None and bool(self._coord.agree_max(int(self._join_pending())))
         handle = SaveHandle(step, on_settle=self._count)
         self._events.emit("save_started", step=step)
-        flat = flatten_state(state)  # raises on unsupported values before anything is written
+        flat = flatten_state(state, self._coord.rank)  # raises on unsupported values before anything is written
         previous = self._inflight
         if previous is not None:
             previous._done.wait()  # the staging buffer is still being written from
             if self.strict and previous._error is not None:
                 raise previous._error
-        key = layout_key(flat.tensors)
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, plan_rank(flat.tensors, self._coord.rank, self._coord.world_size))
-        plan = self._plan[1]
+        plan = self._layout_plan(flat)
         buffer = self._staging.stage(plan, flat.tensors)
         handle.nbytes = buffer.numel()
         self.stats["bytes_staged"] += handle.nbytes
@@ -282,6 +279,18 @@ class Checkpointer:
             self.wait()
             raise GangChange(f"a process joins the gang: step {step} is committed, re-forming")
         return handle
+
+    def _layout_plan(self, flat: Flattened) -> RankPlan:
+        """This rank's plan, made again (together: it is collective) when any rank's layout
+        changed; otherwise the cost of a save is one small all-reduce."""
+        key = layout_key(flat.tensors)
+        changed = self._plan is None or self._plan[0] != key
+        if self._coord.agree_max(int(changed)):
+            descriptions = self._coord.all_gather(describe(flat.tensors, flat.per_rank,
+                                                            alone=self._coord.world_size == 1))
+            self._plan = (key, plan_rank(flat.tensors, flat.per_rank, descriptions, self._coord.rank,
+                                         self._coord.world_size))
+        return self._plan[1]
 
     def _count(self, handle: SaveHandle) -> None:
         self.stats["saves_committed" if handle.committed else "saves_failed"] += 1
@@ -438,14 +447,23 @@ class Checkpointer:
         except Exception as exc:
             return exc
 
-    def restore(self, state: MutableMapping[str, Any] | None = None) -> int:
+    def restore(self, state: MutableMapping[str, Any] | None = None, *, step: int | None = None,
+                strict: bool = True) -> int:
         """Load the newest checkpoint every rank can read and verify; return its step (0: none).
 
         Entries of ``state`` are loaded in place (``load_state_dict``, tensor copies) and
         plain values are replaced in the mapping. A checkpoint with a missing or corrupt file
         is skipped with a warning naming it, and the next older one is tried.
+
+        ``step=N`` loads that step or raises (never another one). ``strict=False`` loads what
+        the state and the checkpoint share (e.g. only the model, for evaluation): entries and
+        module tensors the checkpoint lacks are left as they are, saved entries the state does
+        not ask for are not read.
         """
         self._check_open()
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        wanted = step
         self._pause_watchdog()
         state = self._state(state, "restore")
         try:
@@ -463,7 +481,17 @@ class Checkpointer:
                            - self._bad_steps)
             if ceiling is not None:
                 steps = [s for s in steps if s < ceiling]
+            if wanted is not None:
+                steps = [s for s in steps if s == wanted]
             step = coord.agree_min(steps[-1] if steps else -1)
+            if step < 0 and wanted is not None:
+                if wanted in self._bad_steps:
+                    raise CheckpointCorruptError(
+                        f"step {wanted} in {self.root!r} cannot be loaded (see the warning above); "
+                        "restore(step=...) does not fall back to another step"
+                    )
+                raise StateError(f"step {wanted} is not a committed checkpoint in {self.root!r} "
+                                 f"(newest: {self.latest()})")
             if step < 0:
                 if touched:
                     raise CheckpointCorruptError(
@@ -481,7 +509,8 @@ class Checkpointer:
                     raise failure
                 manifest = self._tier.read_manifest(step)
                 touched = True
-                rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, self._read_pool)
+                rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, coord.world_size,
+                                      self._read_pool, strict=strict)
             except (CheckpointCorruptError, OSError) as exc:
                 failure = exc
             except ResilientError as exc:  # the state does not fit: no older step will help

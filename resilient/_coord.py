@@ -58,6 +58,10 @@ class Coordinator:
     def barrier(self) -> None:
         pass
 
+    def all_gather(self, obj: object) -> list[object]:
+        """Every rank's ``obj`` (small, picklable values we built: never checkpoint data)."""
+        return [obj]
+
     # -- background thread: store ---------------------------------------------------------
     def publish(self, key: str, value: bytes) -> None:
         raise NotImplementedError
@@ -126,6 +130,11 @@ class GroupCoordinator(Coordinator):
 
     def barrier(self) -> None:
         self.agree_min(0)  # a reduce is a barrier that works on every backend
+
+    def all_gather(self, obj: object) -> list[object]:
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def publish(self, key: str, value: bytes) -> None:
         self._store.set(key, value)

@@ -29,7 +29,6 @@ __all__ = [
     "sharding_order",
     "intersect",
     "contiguous_range",
-    "replica_writer",
 ]
 
 
@@ -184,11 +183,3 @@ def contiguous_range(inner: Box, shape: Sequence[int]) -> tuple[int, int] | None
     for d in range(ndim):
         start = start * shape[d] + inner.offsets[d]
     return start, inner.numel
-
-
-def replica_writer(ordinal: int, replicas: int) -> int:
-    """Which replica (0..replicas-1) writes the ``ordinal``-th sharded tensor.
-
-    Rotating the writer spreads the bytes of replicated shards over the replicas.
-    """
-    return ordinal % replicas if replicas > 0 else 0

@@ -16,6 +16,8 @@ an older checkpoint, which overwrites everything phase 2 touched.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from concurrent.futures import Executor
 from typing import Any, Callable, MutableMapping
@@ -27,9 +29,12 @@ from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
 from ._layout import Box, contiguous_range, intersect
 from ._snapshot import dtensor_box, is_dtensor
-from ._tree import build_value, flatten_target, is_stateful
+from ._per_rank import PerRank, Reshard
+from ._tree import build_value, flatten_target, is_stateful, per_rank_path
 
 __all__ = ["load_checkpoint"]
+
+log = logging.getLogger("resilient")
 
 Task = Callable[[], None]
 
@@ -118,6 +123,17 @@ def _check_tensor(name: str, meta: dict[str, Any] | None, target: torch.Tensor, 
         )
 
 
+def _without(node: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A saved tree minus the tensors named ``names`` (dict entries holding them are dropped)."""
+    kind = node["t"]
+    if kind in ("obj", "per_rank"):
+        return {**node, "sd": _without(node["sd"], names)}
+    if kind == "dict":
+        return {**node, "items": [[k, _without(v, names)] for k, v in node["items"]
+                                  if not (v["t"] == "tensor" and v["name"] in names)]}
+    return node
+
+
 def _tensor_names(node: dict[str, Any]) -> list[str]:
     names: list[str] = []
     build_value(node, lambda n: names.append(n))  # type: ignore[func-returns-value]
@@ -162,7 +178,7 @@ class _Destination:
     @classmethod
     def into(cls, live: torch.Tensor, name: str) -> "_Destination":
         if is_dtensor(live):
-            box, _, _ = dtensor_box(live, name)
+            box = dtensor_box(live, name)
             local = live.to_local()
         else:
             box, local = Box((0,) * live.dim(), tuple(live.shape)), live
@@ -180,7 +196,7 @@ class _Destination:
         """A new DTensor with ``template``'s mesh and placements, this rank's part read."""
         from torch.distributed.tensor import DTensor
 
-        box, _, _ = dtensor_box(template, name)
+        box = dtensor_box(template, name)
         buffer = torch.empty(box.sizes, dtype=dtype_from_name(meta["dtype"]))
         dest = cls(None, buffer, buffer, box)
         device = template.to_local().device
@@ -199,14 +215,75 @@ class _Destination:
                 local.copy_(self.buffer)
 
 
+class _Entry:
+    """How one top-level entry of the state is restored: ``sources`` are the saved trees its
+    value is built from (one; or, for per-rank state at a new world size, every old rank's,
+    combined by the user's ``reshard`` rule), ``inner`` is what receives it."""
+
+    def __init__(self, key: str, target: Any, sources: list[dict[str, Any]], reshard: Reshard | None) -> None:
+        self.key, self.target, self.sources, self.reshard = key, target, sources, reshard
+        self.inner = target.value if isinstance(target, PerRank) else target
+
+    def apply(self, state: MutableMapping[str, Any], tensor: Callable[[str], torch.Tensor], rank: int,
+              world_size: int, strict: bool) -> None:
+        values = [build_value(source, tensor) for source in self.sources]
+        value = self.reshard(values, rank, world_size) if self.reshard is not None else values[0]
+        if self.sources[0]["t"] in ("obj", "dict") and is_stateful(self.inner):
+            if isinstance(self.inner, torch.nn.Module) and not strict:
+                self.inner.load_state_dict(value, strict=False)
+            else:
+                self.inner.load_state_dict(value)
+        elif isinstance(self.target, PerRank):
+            self.target.value = value
+        else:  # tensors loaded in place come back as the same objects
+            state[self.key] = value
+
+
+def _plan_entry(key: str, target: Any, node: dict[str, Any], manifest: dict[str, Any], rank: int,
+                world_size: int) -> tuple[_Entry, str]:
+    """(the entry's restore plan, the path its live tensors are named under)."""
+    if node["t"] != "per_rank":
+        if manifest["world_size"] != world_size and len({json.dumps(dict(r["tree"]["items"]).get(key))
+                                                        for r in manifest["ranks"]}) > 1:
+            log.warning("resilient: key %r differs by rank in the checkpoint of step %d (saved by %d ranks); "
+                        "at %d ranks, ranks beyond the old world get rank 0's. Wrap it in "
+                        "resilient.PerRank(..., reshard=...) to decide", key, manifest["step"],
+                        manifest["world_size"], world_size)
+        return _Entry(key, target, [node], None), key
+    if manifest["world_size"] == world_size:
+        return _Entry(key, target, [node["sd"]], None), per_rank_path(key, rank)
+    reshard = target.reshard if isinstance(target, PerRank) else None
+    if reshard is None:
+        raise StateError(
+            f"key {key!r} holds per-rank state saved by {manifest['world_size']} ranks; this job has "
+            f"{world_size}: restore it with PerRank(value, reshard=rule), where rule(saved, rank, "
+            "world_size) returns this rank's value from the list of saved ones"
+        )
+    sources = []
+    for old_rank, record in enumerate(manifest["ranks"]):
+        saved = dict(record["tree"]["items"]).get(key)
+        if saved is None or saved["t"] != "per_rank":
+            raise CheckpointCorruptError(f"rank {old_rank}'s tree lacks per-rank entry {key!r}")
+        sources.append(saved["sd"])
+    return _Entry(key, target, sources, reshard), ""  # rebuilt from the saved values, none in place
+
+
 def load_checkpoint(
     state: MutableMapping[str, Any],
     manifest: dict[str, Any],
     step_dir: str,
     rank: int,
+    world_size: int,
     pool: Executor,
+    *,
+    strict: bool = True,
 ) -> dict[str, Any] | None:
-    """Load ``manifest``'s checkpoint into ``state``; return this rank's saved RNG state."""
+    """Load ``manifest``'s checkpoint into ``state``; return this rank's saved RNG state.
+
+    ``strict=False`` restores what the state and the checkpoint have in common: entries or
+    module tensors absent from the checkpoint keep their current values, saved entries the
+    state lacks are ignored (shapes and dtypes of what is loaded are still checked).
+    """
     step = manifest["step"]
     record = manifest["ranks"][rank if rank < manifest["world_size"] else 0]
     saved_entries = dict(record["tree"]["items"])
@@ -214,24 +291,35 @@ def load_checkpoint(
 
     # -- phase 1: check, and decide where every tensor goes ---------------------------------
     destinations: dict[str, _Destination] = {}
+    entries: list[_Entry] = []
     for key, target in state.items():
         node = saved_entries.get(key)
         if node is None:
+            if not strict:
+                log.info("resilient: key %r is not in the checkpoint of step %d: left as it is", key, step)
+                continue
             raise StateError(
                 f"key {key!r} is not in the checkpoint of step {step} "
                 f"(it holds: {', '.join(map(repr, saved_entries)) or 'nothing'})"
             )
+        entry, path = _plan_entry(key, target, node, manifest, rank, world_size)
+        entries.append(entry)
         # Tensors the target already holds are filled in place (so DTensors keep their
         # sharding); everything else is built fresh from the checkpoint.
-        targets = flatten_target(target, key)
-        saved_names = set(_tensor_names(node))
+        targets = flatten_target(entry.inner, path) if path else {}
+        saved_names = {name for source in entry.sources for name in _tensor_names(source)}
+        if not strict:
+            targets = {name: t for name, t in targets.items() if name in saved_names}
         for name, t in targets.items():
             _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
-        if isinstance(target, torch.nn.Module):
+        if isinstance(entry.inner, torch.nn.Module) and path:
             extra = sorted(saved_names - set(targets))
-            if extra:
+            if extra and strict:
                 raise StateError(f"key {key!r}: the checkpoint of step {step} has entries the module lacks: {extra[:5]}")
-        templates = _optimizer_templates(target, key, node) if isinstance(target, torch.optim.Optimizer) else {}
+            saved_names -= set(extra)
+            entry.sources = [_without(source, set(extra)) for source in entry.sources]
+        templates = (_optimizer_templates(entry.inner, path, entry.sources[0])
+                     if isinstance(entry.inner, torch.optim.Optimizer) and path else {})
         for name in saved_names:
             meta = tensors_meta[name]
             if name in targets:
@@ -261,12 +349,6 @@ def load_checkpoint(
             dest.finish()
 
     # -- apply --------------------------------------------------------------------------------
-    for key, target in list(state.items()):
-        node = saved_entries[key]
-        value = build_value(node, lambda name: destinations[name].value)
-        if node["t"] in ("obj", "dict") and is_stateful(target):
-            target.load_state_dict(value)
-        else:  # tensors loaded in place come back as the same objects
-            state[key] = value
+    for entry in entries:
+        entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict)
     return record.get("rng")
-

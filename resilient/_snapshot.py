@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ._errors import UnsupportedStateError
-from ._format import dtype_name
-from ._layout import Box, replica_writer, replicated_slices, shard_box, sharding_order
+from ._format import dtype_from_name, dtype_name
+from ._layout import Box, replicated_slices, shard_box, sharding_order
 
 try:  # DTensor is optional: older or stripped torch builds may lack it.
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["Blob", "RankPlan", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view"]
+__all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -40,23 +42,20 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return local.reshape(-1).view(torch.uint8)
 
 
-def dtensor_box(t: torch.Tensor, name: str) -> tuple[Box, int, int]:
-    """(box this rank holds, its index among replicas of that box, number of replicas)."""
+def dtensor_box(t: torch.Tensor, name: str) -> Box:
+    """The box of the global tensor this rank holds (replicas hold the same box)."""
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
         raise UnsupportedStateError(f"state[{name!r}]: this rank is not part of the tensor's mesh")
     shard_dims: list[int | None] = []
     split_factors: list[int] = []
-    replica_index, replicas = 0, 1
     for mesh_dim, placement in enumerate(t.placements):
         factor = int(getattr(placement, "split_factor", 1))  # _StridedShard: FSDP2 over TP
         if placement.is_shard() or (factor > 1 and hasattr(placement, "dim")):
             shard_dims.append(placement.dim)
         elif placement.is_replicate():
             shard_dims.append(None)
-            replica_index = replica_index * mesh.size(mesh_dim) + coord[mesh_dim]
-            replicas *= mesh.size(mesh_dim)
         else:
             raise UnsupportedStateError(
                 f"state[{name!r}]: placement {placement} cannot be checkpointed; "
@@ -76,7 +75,7 @@ def dtensor_box(t: torch.Tensor, name: str) -> tuple[Box, int, int]:
             f"state[{name!r}]: local shard has shape {list(local_shape)} but placements "
             f"{list(t.placements)} imply {list(box.sizes)}"
         )
-    return box, replica_index, replicas
+    return box
 
 
 @dataclass(frozen=True)
@@ -116,27 +115,141 @@ def layout_key(tensors: dict[str, torch.Tensor]) -> tuple:
     )
 
 
-def plan_rank(tensors: dict[str, torch.Tensor], rank: int, world_size: int) -> RankPlan:
+_FINGERPRINT_WHOLE = 1 << 20  # bytes hashed whole; larger tensors are sampled
+_FINGERPRINT_SAMPLE = 1 << 16
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A CRC of a plain tensor's bytes (an even sample of 64 KiB of them above 1 MiB).
+
+    Run once per layout, to catch state that differs by rank where it would be saved once
+    as replicated: a per-rank generator or counter differs in most bytes, so a sample
+    finds it without reading gigabytes of a replicated model.
+    """
+    flat = byte_view(t)
+    if flat.numel() > _FINGERPRINT_WHOLE:
+        stride = flat.numel() // _FINGERPRINT_SAMPLE
+        flat = flat[: stride * _FINGERPRINT_SAMPLE : stride]
+    return zlib.crc32(flat.cpu().numpy().tobytes())
+
+
+def find_aliases(tensors: dict[str, torch.Tensor], skip: set[str]) -> dict[str, str]:
+    """name -> the first name of the same memory (tied weights: an embedding and the output
+    layer share one tensor). Such names are written once and share the saved pieces."""
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in tensors.items():
+        if name in skip:
+            continue
+        local = t.to_local() if is_dtensor(t) else t
+        if local.numel() == 0:
+            continue
+        placement = (tuple(t.placements), id(t.device_mesh)) if is_dtensor(t) else None
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+               local.stride(), local.dtype, local.device, tuple(t.shape), placement)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def describe(tensors: dict[str, torch.Tensor], per_rank: set[str], *, alone: bool = False) -> dict[str, list[list[Any]]]:
+    """What this rank holds, for every rank to plan from: its boxes of sharded tensors (its
+    per-rank tensors are a whole box only it holds) and a fingerprint of each plain one
+    (not computed when the rank is ``alone``: nothing to compare with)."""
+    sharded: list[list[Any]] = []
+    plain: list[list[Any]] = []
+    aliases = find_aliases(tensors, per_rank)
+    for name, t in tensors.items():
+        if name in aliases:
+            continue
+        if name in per_rank:
+            sharded.append([name, [0] * t.dim(), list(t.shape), dtype_name(t.dtype)])
+        elif is_dtensor(t):
+            box = dtensor_box(t, name)
+            sharded.append([name, list(box.offsets), list(box.sizes), dtype_name(t.dtype)])
+        else:
+            plain.append([name, 0 if alone else fingerprint(t)])
+    return {"sharded": sharded, "plain": plain, "aliases": sorted(aliases.items())}
+
+
+def _refuse_rank_dependent(descriptions: list[dict[str, list[list[Any]]]]) -> None:
+    values: dict[str, set[int]] = {}
+    for d in descriptions:
+        for name, fp in d["plain"]:
+            values.setdefault(name, set()).add(fp)
+    differ = [name for name, fps in values.items() if len(fps) > 1]
+    if differ:
+        raise UnsupportedStateError(
+            f"state{differ[:5]!r}: plain tensors that differ across ranks ({len(differ)} in all). "
+            "A plain tensor is saved once, as state every rank shares, so every rank would get "
+            "one rank's copy back. Keep state that differs by rank in an entry wrapped in "
+            "resilient.PerRank(...), or make it a DTensor"
+        )
+
+
+def _assign_writers(descriptions: list[dict[str, list[list[Any]]]]) -> dict[tuple, int]:
+    """(name, offsets, sizes) -> the one rank that writes that box.
+
+    Ranks holding the same box (HSDP replicas, FSDP2 meshes repeated across TP ranks) are
+    found from what every rank holds, not from one tensor's mesh, so a box is written once
+    however the meshes are nested. Biggest boxes first, each to its least-loaded holder.
+    """
+    holders: dict[tuple, list[int]] = {}
+    nbytes: dict[tuple, int] = {}
+    for rank, d in enumerate(descriptions):
+        for name, offsets, sizes, dtype in d["sharded"]:
+            key = (name, tuple(offsets), tuple(sizes))
+            holders.setdefault(key, []).append(rank)
+            nbytes[key] = math.prod(sizes) * dtype_from_name(dtype).itemsize
+    load = [0] * len(descriptions)
+    writers: dict[tuple, int] = {}
+    for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
+        writer = min(holders[key], key=lambda r: (load[r], r))
+        writers[key] = writer
+        load[writer] += nbytes[key]
+    return writers
+
+
+def plan_rank(
+    tensors: dict[str, torch.Tensor],
+    per_rank: set[str],
+    descriptions: list[dict[str, list[list[Any]]]],
+    rank: int,
+    world_size: int,
+) -> RankPlan:
+    """This rank's part of a save, from every rank's ``describe`` (the same list on all
+    ranks, so every rank computes the same global decisions)."""
+    _refuse_rank_dependent(descriptions)
+    writers = _assign_writers(descriptions)
     meta: dict[str, dict[str, Any]] = {}
     replicated_sizes: list[tuple[str, int]] = []
     blobs: list[Blob] = []
     shards: list[list[Any]] = []
     offset = 0
-    sharded_ordinal = 0
+    aliases = dict(descriptions[rank]["aliases"])
     for name, t in tensors.items():
+        if name in per_rank:
+            continue
         meta[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-        if is_dtensor(t):
-            meta[name]["layout"] = "sharded"
-            box, replica_index, replicas = dtensor_box(t, name)
-            if replica_index == replica_writer(sharded_ordinal, replicas) and box.numel:
-                nbytes = box.numel * t.element_size()
-                blobs.append(Blob(name, 0, nbytes))
-                shards.append([name, list(box.offsets), list(box.sizes), offset, nbytes])
-                offset += nbytes
-            sharded_ordinal += 1
-        else:
+        if name in aliases:
+            meta[name]["same_as"] = aliases[name]
+            meta[name]["layout"] = "sharded" if is_dtensor(t) else "replicated"
+        elif not is_dtensor(t):
             meta[name]["layout"] = "replicated"
             replicated_sizes.append((name, t.numel() * t.element_size()))
+    for d in descriptions:  # every rank's per-rank tensors are in the manifest
+        for name, offsets, sizes, dtype in d["sharded"]:
+            meta.setdefault(name, {"dtype": dtype, "shape": sizes})
+            meta[name]["layout"] = "sharded"
+    for name, offsets, sizes, _ in descriptions[rank]["sharded"]:
+        box = Box(tuple(offsets), tuple(sizes))
+        if writers[(name, box.offsets, box.sizes)] == rank and box.numel:
+            nbytes = box.numel * tensors[name].element_size()
+            blobs.append(Blob(name, 0, nbytes))
+            shards.append([name, offsets, sizes, offset, nbytes])
+            offset += nbytes
     replicated: list[list[Any]] = []
     for piece in replicated_slices(replicated_sizes, rank, world_size):
         blobs.append(Blob(piece.name, piece.start, piece.length))

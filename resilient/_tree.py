@@ -14,8 +14,9 @@ from urllib.parse import quote
 import torch
 
 from ._errors import UnsupportedStateError
+from ._per_rank import PerRank
 
-__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful"]
+__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -30,12 +31,28 @@ def _child(path: str, key: Any) -> str:
     return f"{path}/{quote(str(key), safe='')}" if path else quote(str(key), safe="")
 
 
+def per_rank_path(key: str, rank: int) -> str:
+    """Where rank ``rank``'s tensors of per-rank entry ``key`` are named: ``key@rank``
+    (keys are quoted, so a literal '@' in a key can never produce this name)."""
+    return f"{_child('', key)}@{rank}"
+
+
 class Flattened:
     """The result of flattening: ``tree`` (JSON-able) and ``tensors`` (name -> tensor)."""
 
     def __init__(self) -> None:
         self.tree: dict[str, Any] = {}
         self.tensors: dict[str, torch.Tensor] = {}
+        self.per_rank: set[str] = set()  # names of tensors under PerRank entries
+
+    def encode_entry(self, key: str, obj: Any, rank: int) -> dict[str, Any]:
+        """A top-level entry; a ``PerRank`` one names its tensors by rank."""
+        if not isinstance(obj, PerRank):
+            return self.encode(obj, _child("", key), expand_stateful=True)
+        before = set(self.tensors)
+        node = {"t": "per_rank", "sd": self.encode(obj.value, per_rank_path(key, rank), expand_stateful=True)}
+        self.per_rank |= set(self.tensors) - before
+        return node
 
     def encode(self, obj: Any, path: str, *, expand_stateful: bool) -> dict[str, Any]:
         if isinstance(obj, torch.Tensor):
@@ -48,6 +65,11 @@ class Flattened:
                 raise UnsupportedStateError(f"state[{path!r}]: two entries map to this name")
             self.tensors[path] = obj
             return {"t": "tensor", "name": path}
+        if isinstance(obj, PerRank):
+            raise UnsupportedStateError(
+                f"state[{path!r}]: PerRank must wrap a top-level entry of the state "
+                "(state['name'] = PerRank(value))"
+            )
         if expand_stateful and is_stateful(obj):
             return {"t": "obj", "sd": self.encode(obj.state_dict(), path, expand_stateful=False)}
         if isinstance(obj, Mapping):
@@ -85,7 +107,7 @@ class Flattened:
         )
 
 
-def flatten_state(state: Mapping[str, Any]) -> Flattened:
+def flatten_state(state: Mapping[str, Any], rank: int = 0) -> Flattened:
     """Flatten every entry of ``state`` (objects with ``state_dict`` are expanded once)."""
     if not isinstance(state, Mapping):
         raise UnsupportedStateError(
@@ -94,7 +116,7 @@ def flatten_state(state: Mapping[str, Any]) -> Flattened:
     flat = Flattened()
     flat.tree = {
         "t": "dict",
-        "items": [[k, flat.encode(v, _child("", k), expand_stateful=True)] for k, v in state.items()],
+        "items": [[k, flat.encode_entry(k, v, rank)] for k, v in state.items()],
     }
     for key in state:
         if not isinstance(key, str):
@@ -127,6 +149,6 @@ def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor]) -> 
         return [build_value(v, tensor) for v in node["items"]]
     if kind == "tuple":
         return tuple(build_value(v, tensor) for v in node["items"])
-    if kind == "obj":
+    if kind in ("obj", "per_rank"):
         return build_value(node["sd"], tensor)
     raise ValueError(f"unknown node type {kind!r} in checkpoint tree")

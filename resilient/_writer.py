@@ -104,7 +104,7 @@ def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> d
     replicated: dict[str, list[list[Any]]] = {}
     for name, meta in first["meta"].items():
         tensors[name] = {**meta, "boxes": []}
-        if meta["layout"] == "replicated":
+        if meta["layout"] == "replicated" and "same_as" not in meta:
             replicated[name] = []
     files: dict[str, Any] = {}
     for r in reports:
@@ -122,6 +122,9 @@ def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> d
         tensors[name]["boxes"] = [
             {"offsets": [0] * len(shape), "sizes": shape, "pieces": [[f, o, n] for _, f, o, n in parts]}
         ]
+    for name, meta in tensors.items():  # tied tensors: written once, every name finds the pieces
+        if "same_as" in meta:
+            meta["boxes"] = tensors[meta["same_as"]]["boxes"]
     return {
         "format": FORMAT,
         "version": VERSION,

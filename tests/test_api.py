@@ -21,6 +21,7 @@ def test_public_surface_is_pinned():
             "PeerFailure",
             "HangError",
             "GangChange",
+            "PerRank",
         ]
     )
     for name in resilient.__all__:

@@ -111,3 +111,19 @@ def test_ddp_resumes_from_the_remote_tier_alone(baselines, tmp_path, s3_server):
     resumed = _weights(tmp_path / "r.pt")
     for k, v in baselines[(2, 0.1)].items():
         assert torch.equal(v, resumed[k]), k
+
+
+def test_plain_tensor_that_differs_by_rank_is_refused(tmp_path):
+    results = run_ranks("rank_dependent_tensor_refused", 2, {"root": str(tmp_path / "run")})
+    assert all("refused" in r.output for r in results)
+    assert Checkpointer(str(tmp_path / "run")).latest() == 2
+
+
+def test_per_rank_state_is_kept_per_rank_and_resharded_only_by_a_rule(tmp_path):
+    root = str(tmp_path / "run")
+    run_ranks("per_rank_save", 2, {"root": root})
+    for world in (2, 3, 1):
+        results = run_ranks("per_rank_restore", world, {"root": root, "saved_world": 2})
+        assert all("per-rank ok" in r.output for r in results), [r.output[-1500:] for r in results]
+        if world != 2:
+            assert all("refused without a rule" in r.output for r in results)

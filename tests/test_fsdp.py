@@ -3,7 +3,8 @@ gloo ranks, restored into a freshly built optimizer at other world sizes.
 
 Each saved run's full state is also kept through torch's own API (DCP's ``get_state_dict``);
 a restore must reproduce it exactly, give every optimizer state its parameter's placement,
-and take the next step bit-identically to a twin loaded by torch's ``set_state_dict``.
+and take the next step bit-identically to a twin (the uninterrupted run at the saved world
+size; elsewhere one loaded by torch's ``set_state_dict``).
 """
 
 import pytest
@@ -23,7 +24,8 @@ def saved(tmp_path_factory):
     def get(mode: str, world: int) -> dict:
         if mode not in runs:
             d = tmp_path_factory.mktemp(mode)
-            args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt"), "steps": STEPS, "mode": mode}
+            args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt"), "steps": STEPS, "mode": mode,
+                    "saved_world": world}
             run_ranks("save", world, args, module="tests.fsdp_workers", env={"FORCE_DIST": "1"}, timeout=120)
             runs[mode] = args
         return runs[mode]

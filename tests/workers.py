@@ -149,7 +149,75 @@ def mismatch_on_one_rank(a: dict) -> None:
     raise AssertionError("restore did not refuse")
 
 
-SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank)}
+def rank_dependent_tensor_refused(a: dict) -> None:
+    """A plain tensor that differs by rank, outside PerRank: every rank's save refuses it."""
+    from resilient import UnsupportedStateError
+
+    rank, world = init()
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        try:
+            ckpt.save(1, {"w": torch.ones(4), "extra": {"counter": torch.tensor([rank])}}, force=True)
+        except UnsupportedStateError as exc:
+            assert "extra/counter" in str(exc) and "PerRank" in str(exc), exc
+            print(f"rank {rank} refused: {exc}", flush=True)
+        else:
+            raise AssertionError("a rank-dependent plain tensor was saved as shared state")
+        ckpt.save(2, {"w": torch.ones(4)}, force=True)  # and the checkpointer still works
+        ckpt.wait()
+
+
+def _loader_state(rank: int) -> dict:
+    """Per-rank state as a data loader holds it: a generator state and a position."""
+    return {"generator": torch.Generator().manual_seed(100 + rank).get_state(), "position": 10 * rank,
+            "epoch": 3}
+
+
+def per_rank_save(a: dict) -> None:
+    from resilient import PerRank
+
+    rank, world = init()
+    state = {"w": torch.arange(6.0), "loader": PerRank(_loader_state(rank))}
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        ckpt.save(5, state, force=True)
+    print(f"rank {rank} saved per-rank state", flush=True)
+
+
+def per_rank_restore(a: dict) -> None:
+    """Same world: each rank its own. Other world: refused naming the entry, unless a rule
+    (here: new rank r takes old rank r mod old world, position advanced) is given."""
+    from resilient import PerRank, StateError
+
+    rank, world = init()
+    loader = PerRank({"generator": torch.Generator().get_state(), "position": -1, "epoch": 0})
+    state = {"w": torch.zeros(6), "loader": loader}
+    with Checkpointer(a["root"]) as ckpt:
+        if world != a["saved_world"]:
+            try:
+                ckpt.restore(state)
+            except StateError as exc:
+                assert "'loader'" in str(exc) and "reshard" in str(exc), exc
+                print(f"rank {rank} refused without a rule", flush=True)
+            else:
+                raise AssertionError("per-rank state restored at another world size without a rule")
+
+            def rule(saved: list, new_rank: int, new_world: int) -> dict:
+                mine = dict(saved[new_rank % len(saved)])
+                mine["position"] += 1000 * (new_rank // len(saved))
+                return mine
+
+            loader.reshard = rule
+        assert ckpt.restore(state) == 5
+    source = rank % a["saved_world"]
+    want = _loader_state(source)
+    got = loader.value
+    assert torch.equal(got["generator"], want["generator"]), "generator state is not this rank's"
+    assert got["position"] == want["position"] + 1000 * (rank // a["saved_world"]), got
+    assert got["epoch"] == 3 and torch.equal(state["w"], torch.arange(6.0))
+    print(f"rank {rank} per-rank ok (from saved rank {source})", flush=True)
+
+
+SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
+                                     rank_dependent_tensor_refused, per_rank_save, per_rank_restore)}
 
 def finish_scenario() -> None:
     """End a scenario process: barrier, tear down the group, exit without interpreter teardown.

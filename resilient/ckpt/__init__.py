@@ -69,7 +69,7 @@ def _values(node: dict[str, Any], path: str = "") -> list[tuple[str, Any]]:
     kind = node["t"]
     if kind == "v":
         return [(path, node["v"])]
-    if kind == "obj":
+    if kind in ("obj", "per_rank"):
         return _values(node["sd"], path)
     if kind == "dict":
         return [kv for k, v in node["items"] for kv in _values(v, f"{path}/{k}" if path else str(k))]
