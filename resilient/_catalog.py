@@ -18,6 +18,7 @@ from ._chunkio import decode_chunk
 from ._errors import CheckpointCorruptError
 from ._format import MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
 from ._layout import Box
+from ._tree import build_value
 from ._storage import Storage
 
 __all__ = ["Entry", "Catalog"]
@@ -155,6 +156,37 @@ class Catalog:
         if covered != math.prod(meta["shape"]):
             raise CheckpointCorruptError(f"tensor {name!r}: saved boxes cover {covered} of {math.prod(meta['shape'])} elements")
         return full
+
+    def read_state(
+        self,
+        manifest: dict[str, Any],
+        step: int,
+        key: str | None = None,
+        allocate: Callable[[dict[str, Any]], torch.Tensor] | None = None,
+        progress: Callable[[int], None] = lambda n: None,
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """(the saved structure, entry ``key`` or all of them, with full tensors; name ->
+        tensor). Reading needs no target state: this is how a checkpoint is exported or
+        handed to code that expects a ``torch.load``-style dict. ``allocate(meta)`` gives the
+        memory a tensor is read into (export maps files, to bound memory)."""
+        entries = dict(manifest["ranks"][0]["tree"]["items"])
+        tensors: dict[str, torch.Tensor] = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            if name not in tensors:
+                meta = manifest["tensors"][name]
+                tied = meta.get("same_as")
+                if isinstance(tied, str) and tied != name and tied in manifest["tensors"]:
+                    tensors[name] = tensor(tied)  # one tensor under both names, as it was saved
+                    return tensors[name]
+                out = allocate(meta) if allocate is not None else None
+                tensors[name] = self.read_tensor(manifest, step, name, out=out)
+                progress(tensors[name].numel() * tensors[name].element_size())
+            return tensors[name]
+
+        if key is not None:
+            return build_value(entries[key], tensor), tensors
+        return {k: build_value(node, tensor) for k, node in entries.items()}, tensors
 
     # -- deleting -----------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:

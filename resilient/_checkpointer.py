@@ -115,6 +115,7 @@ class Checkpointer:
         _on_hang: Callable[[float, float], None] | None = None,
         _generation: int | None = None,
         _join_pending: Callable[[], bool] | None = None,
+        _coordinator: Coordinator | None = None,
     ) -> None:
         if compress not in _CODECS:
             raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
@@ -143,7 +144,9 @@ class Checkpointer:
         self._tier = LocalTier(self.root)
         self._local_storage = LocalStorage(self.root)  # the same directory, seen through the storage seam
         self._tier.prepare()
-        self._coord: Coordinator = make_coordinator(process_group, self._tier)
+        # ``_coordinator``: a caller that saves from one rank only (Lightning's CheckpointIO)
+        # passes a solo one, so that no collective waits for ranks that never call
+        self._coord: Coordinator = _coordinator or make_coordinator(process_group, self._tier)
         if self._coord.is_leader:
             if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
                 self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])

@@ -20,7 +20,6 @@ import torch
 
 from .._catalog import Catalog
 from .._format import dtype_from_name
-from .._tree import build_value
 
 __all__ = ["export", "FORMATS"]
 
@@ -48,26 +47,6 @@ def _scratch_tensor(scratch: str, index: int, meta: dict[str, Any]) -> torch.Ten
     with open(path, "wb") as f:
         f.truncate(numel * torch.empty((), dtype=dtype).element_size())
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(meta["shape"])
-
-
-def _structure(catalog: Catalog, manifest: dict, step: int, key: str | None, scratch: str,
-               progress: Callable[[int], None]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(the saved nested structure with full tensors, name -> tensor) for ``key`` or all."""
-    entries = dict(manifest["ranks"][0]["tree"]["items"])
-    if key is not None and key not in entries:
-        raise ExportError(f"--key {key!r} is not in step {step} (it holds: {', '.join(map(str, entries))})")
-    tensors: dict[str, torch.Tensor] = {}
-
-    def tensor(name: str) -> torch.Tensor:
-        if name not in tensors:
-            meta = manifest["tensors"][name]
-            tensors[name] = catalog.read_tensor(manifest, step, name, out=_scratch_tensor(scratch, len(tensors), meta))
-            progress(tensors[name].numel() * tensors[name].element_size())
-        return tensors[name]
-
-    if key is not None:
-        return build_value(entries[key], tensor), tensors
-    return {k: build_value(node, tensor) for k, node in entries.items()}, tensors
 
 
 def _dotted(obj: Any, prefix: str, out: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
@@ -138,7 +117,12 @@ def export(catalog: Catalog, step: int, fmt: str, out: str, *, key: str | None =
     os.makedirs(scratch)
     try:
         manifest = catalog.manifest(step)
-        obj, _ = _structure(catalog, manifest, step, key, scratch, progress)
+        entries = dict(manifest["ranks"][0]["tree"]["items"])
+        if key is not None and key not in entries:
+            raise ExportError(f"--key {key!r} is not in step {step} (it holds: {', '.join(map(str, entries))})")
+        count = iter(range(1 << 62))
+        obj, _ = catalog.read_state(manifest, step, key, progress=progress,
+                                    allocate=lambda meta: _scratch_tensor(scratch, next(count), meta))
         if fmt == "torch":
             with open(tmp, "wb") as f:
                 torch.save(obj, f)

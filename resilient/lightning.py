@@ -1,0 +1,151 @@
+"""PyTorch Lightning integration: ``Trainer(plugins=[ResilientCheckpointIO()])``.
+
+Lightning decides when to checkpoint and which files to keep (``ModelCheckpoint``); this
+plugin decides how a checkpoint is written and read. Each path Lightning names becomes a
+small resilient root (a directory with the usual ``.ckpt`` name) holding one committed
+checkpoint, so everything Lightning does with paths keeps working: top-k deletion,
+``last.ckpt``, ``ckpt_path="last"``. What changes:
+
+* the save returns once the state is snapshotted into host memory; files are written,
+  fsync'd and committed in the background (Lightning's own ``AsyncCheckpointIO`` still
+  pickles in a thread that reads the live tensors);
+* a crash mid-write leaves the previous checkpoint at that path intact, and a damaged file is
+  detected by checksum on load instead of unpickling garbage;
+* loading never runs code from the file (no pickle), whatever ``weights_only`` says;
+* ``remote=`` drains each checkpoint to an object store as well.
+
+Lightning calls the plugin from global rank 0 only (for DDP), so each save is a
+single-process checkpoint: replicated state is written once, as resilient always does.
+Values Lightning puts in a checkpoint that plain JSON cannot hold without pickle (objects
+in ``hyper_parameters``) are stored as their ``repr`` with a warning naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import Any, Mapping
+
+import torch
+from pytorch_lightning.plugins.io import CheckpointIO
+
+from ._catalog import Catalog
+from ._checkpointer import Checkpointer
+from ._coord import SoloCoordinator
+from ._errors import CheckpointCorruptError
+from ._storage import LocalStorage
+
+__all__ = ["ResilientCheckpointIO"]
+
+log = logging.getLogger("resilient")
+
+_JSON_SCALARS = (type(None), bool, int, float, str)
+
+
+def _storable(value: Any, path: str, replaced: list[str]) -> Any:
+    """``value`` with every leaf resilient cannot store without pickle replaced by its repr."""
+    if isinstance(value, torch.Tensor) or isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, Mapping):
+        if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
+            return {k: _storable(v, f"{path}/{k}", replaced) for k, v in value.items()}
+    elif isinstance(value, (list, tuple)):
+        items = [_storable(v, f"{path}/{i}", replaced) for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    replaced.append(path)
+    return repr(value)
+
+
+class ResilientCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` writing resilient checkpoints.
+
+    Args:
+        remote: URL prefix of an object store (``s3://bucket/run``); each checkpoint path
+            is drained to ``<remote>/<file name>``.
+        storage_options: credentials and options for ``remote`` (never written anywhere).
+        compress: ``"zstd"`` or None, as for ``Checkpointer``.
+    """
+
+    def __init__(self, *, remote: str | None = None, storage_options: Mapping[str, Any] | None = None,
+                 compress: str | None = None) -> None:
+        self.remote = remote.rstrip("/") if remote else None
+        self.storage_options = dict(storage_options or {})
+        self.compress = compress
+        self._open: dict[str, Checkpointer] = {}  # path -> checkpointer with a save in flight
+
+    # -- CheckpointIO --------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        path = os.path.abspath(os.fspath(path))
+        self._finish(path)
+        self._finish_done()
+        if os.path.isfile(path) or os.path.islink(path):
+            os.remove(path)  # a torch.save file or a link from an earlier run: replaced
+        replaced: list[str] = []
+        state = {k: _storable(v, k, replaced) for k, v in checkpoint.items()}
+        if replaced:
+            log.warning("resilient: stored as text (cannot be saved without pickle): %s", ", ".join(replaced[:10]))
+        ckpt = Checkpointer(path, keep=1, compress=self.compress, rng=False,
+                            remote=f"{self.remote}/{os.path.basename(path)}" if self.remote else None,
+                            storage_options=self.storage_options, _coordinator=SoloCoordinator())
+        # a sequence number, not the global step: the same path may be saved twice at one step
+        ckpt.save((ckpt.latest() or 0) + 1, state, force=True)
+        self._open[path] = ckpt
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint as ``torch.load`` would return it (tensors on CPU, or moved by
+        ``map_location`` when it is a device); never unpickles, so ``weights_only`` holds."""
+        path = os.path.abspath(os.fspath(path))
+        self._finish(path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path} is not a resilient checkpoint (no such directory)")
+        catalog = Catalog(LocalStorage(path))
+        step = catalog.newest_consistent()
+        if step is None:
+            raise CheckpointCorruptError(f"{path} holds no committed checkpoint")
+        state, _ = catalog.read_state(catalog.manifest(step), step)  # every chunk read is CRC-checked
+        if isinstance(map_location, (str, torch.device)):
+            state = _move(state, torch.device(map_location))
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        path = os.path.abspath(os.fspath(path))
+        ckpt = self._open.pop(path, None)
+        if ckpt is not None:
+            ckpt.abandon()
+        if os.path.islink(path) or os.path.isfile(path):
+            os.remove(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+
+    def teardown(self) -> None:
+        """Commit (and drain to ``remote``) every save still in flight."""
+        for path in list(self._open):
+            self._finish(path)
+
+    # -- in-flight saves -----------------------------------------------------------------------
+    def _finish(self, path: str) -> None:
+        ckpt = self._open.pop(path, None)
+        if ckpt is not None:
+            if ckpt.remote:
+                ckpt.flush()
+            ckpt.close()
+
+    def _finish_done(self) -> None:
+        """Close checkpointers whose save has committed and drained (their threads need not
+        linger); the others go on in the background."""
+        for path, ckpt in list(self._open.items()):
+            saved = ckpt._inflight is None or ckpt._inflight.done()
+            if saved and (ckpt._uploader is None or not ckpt._uploader.pending()):
+                self._finish(path)
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _move(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        moved = [_move(v, device) for v in value]
+        return moved if isinstance(value, list) else tuple(moved)
+    return value

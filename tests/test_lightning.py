@@ -1,0 +1,85 @@
+"""The PyTorch Lightning plugin, run as a Lightning user runs it (examples/lightning_train.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .faults import flip_byte
+from .launch import REPO
+
+pl = pytest.importorskip("pytorch_lightning")
+
+pytestmark = pytest.mark.timeout(240)
+
+EXAMPLE = os.path.join(REPO, "examples", "lightning_train.py")
+
+
+def run_example(*args: str, env: dict | None = None) -> str:
+    out = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=180,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout + out.stderr
+
+
+def test_interrupted_lightning_run_resumes_bitwise_equal(tmp_path):
+    run_example("--dir", str(tmp_path / "full"), "--epochs", "4", "--out", str(tmp_path / "full.pt"))
+    run_example("--dir", str(tmp_path / "ck"), "--epochs", "2")
+    out = run_example("--dir", str(tmp_path / "ck"), "--epochs", "4", "--resume", "--out", str(tmp_path / "resumed.pt"))
+    assert "Restored all states from the checkpoint" in out and "trained to epoch 4, step 32" in out
+    full, resumed = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+    # Lightning's top-k and last.ckpt work on the plugin's checkpoints (directories)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=2-step=24.ckpt", "epoch=3-step=32.ckpt", "last.ckpt"]
+
+
+def _checkpoint(epoch: int) -> dict:
+    torch.manual_seed(epoch)
+    model = torch.nn.Linear(4, 2)
+    return {"epoch": epoch, "global_step": 10 * epoch, "state_dict": model.state_dict(),
+            "optimizer_states": [torch.optim.SGD(model.parameters(), lr=0.1).state_dict()],
+            "hyper_parameters": {"width": 4, "activation": torch.nn.GELU, "dtype": torch.bfloat16}}
+
+
+def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
+    from resilient import CheckpointCorruptError
+    from resilient.lightning import ResilientCheckpointIO
+
+    io = ResilientCheckpointIO()
+    path = tmp_path / "epoch=1.ckpt"
+    io.save_checkpoint(_checkpoint(1), path)
+    io.save_checkpoint(_checkpoint(2), path)  # the same path again (last.ckpt): replaced
+    loaded = io.load_checkpoint(path, weights_only=True)  # waits for the save in flight
+    want = _checkpoint(2)
+    assert loaded["epoch"] == 2 and loaded["global_step"] == 20
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in want["state_dict"].items())
+    assert loaded["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
+    # objects JSON cannot hold are kept as text, with a warning naming them; nothing pickled
+    assert loaded["hyper_parameters"]["width"] == 4
+    assert loaded["hyper_parameters"]["dtype"] == "torch.bfloat16"
+    assert "hyper_parameters/activation" in caplog.text
+    steps = [n for n in os.listdir(path) if n.startswith("step-")]
+    assert len(steps) == 1  # the older save at this path was retired after the new commit
+    io.teardown()
+    flip_byte(os.path.join(path, steps[0], "rank-00000.data"), 3)
+    with pytest.raises(CheckpointCorruptError, match="checksum|CRC|crc"):
+        io.load_checkpoint(path)
+    io.remove_checkpoint(path)
+    assert not path.exists()
+    with pytest.raises(FileNotFoundError, match="not a resilient checkpoint"):
+        io.load_checkpoint(path)
+
+
+def test_plugin_drains_to_an_object_store(tmp_path, s3_server):
+    from resilient import Checkpointer
+    from resilient.lightning import ResilientCheckpointIO
+
+    remote = f"s3://{s3_server['bucket']}/lightning-{os.getpid()}"
+    io = ResilientCheckpointIO(remote=remote, storage_options=s3_server["options"])
+    io.save_checkpoint(_checkpoint(3), tmp_path / "last.ckpt")
+    io.teardown()  # end of fit: every save committed and drained
+    with Checkpointer(str(tmp_path / "from-remote"), remote=f"{remote}/last.ckpt",
+                      storage_options=s3_server["options"]) as ckpt:
+        assert ckpt.latest() == 1
