@@ -7,6 +7,8 @@ and take the next step bit-identically to a twin (the uninterrupted run at the s
 size; elsewhere one loaded by torch's ``set_state_dict``).
 """
 
+import os
+
 import pytest
 
 from .launch import run_ranks
@@ -52,3 +54,44 @@ def test_hsdp_saved_by_4_resumes(saved, world):
 @pytest.mark.parametrize("world", [4, 2])
 def test_fsdp2_with_tensor_parallel_saved_by_4_resumes(saved, world):
     resume(saved("fsdp_tp", 4), world)
+
+
+def _launch(*args: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    from .launch import REPO
+
+    cmd = [sys.executable, "-m", "resilient.launch.run", "--standalone", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_fsdp2_example_interrupted_resumed_and_resized(tmp_path):
+    """examples/fsdp2_train.py under resilient-run: interrupted at 15 (checkpoint at 10) and
+    resumed equals the uninterrupted run bit for bit; then it grows to 3 ranks, the per-rank
+    data streams going through the example's reshard rule."""
+    import torch
+
+    from resilient.ckpt import main as ckpt_main
+
+    example = "examples/fsdp2_train.py"
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    _launch("--nproc-per-node", "2", example, "--dir", full, "--steps", "20")
+    _launch("--nproc-per-node", "2", example, "--dir", resumed, "--steps", "20", "--stop-at", "15")
+    assert "resumed at step 10 at world size 2" in _launch("--nproc-per-node", "2", example, "--dir", resumed,
+                                                           "--steps", "20")
+    weights = []
+    for root in (full, resumed):
+        out = str(tmp_path / f"{os.path.basename(root)}.pt")
+        assert ckpt_main(["export", root, out, "--format", "torch", "--key", "model"]) == 0
+        weights.append(torch.load(out, weights_only=True))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    grown = _launch("--nproc-per-node", "3", example, "--dir", resumed, "--steps", "30")
+    assert "resumed at step 20 at world size 3" in grown
+    for rank in range(3):  # rank 2 is new: its stream starts at the furthest position, 20
+        assert f"rank {rank} data position 30" in grown
