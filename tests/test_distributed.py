@@ -127,3 +127,9 @@ def test_per_rank_state_is_kept_per_rank_and_resharded_only_by_a_rule(tmp_path):
         assert all("per-rank ok" in r.output for r in results), [r.output[-1500:] for r in results]
         if world != 2:
             assert all("refused without a rule" in r.output for r in results)
+
+
+def test_torchdata_stateful_dataloader_kept_per_rank(tmp_path):
+    pytest.importorskip("torchdata")
+    results = run_ranks("stateful_dataloader_per_rank", 2, {"root": str(tmp_path / "run")})
+    assert all("loader resumed exactly" in r.output for r in results)

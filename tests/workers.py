@@ -216,8 +216,47 @@ def per_rank_restore(a: dict) -> None:
     print(f"rank {rank} per-rank ok (from saved rank {source})", flush=True)
 
 
+def _stateful_loader(seed: int):
+    """A shuffling loader whose sampler draws its own generator (seeded from torch's global
+    one), so its saved state carries that generator: different on every rank."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(seed)
+    return StatefulDataLoader(torch.utils.data.TensorDataset(torch.arange(200.0)), batch_size=4, shuffle=True)
+
+
+def stateful_dataloader_per_rank(a: dict) -> None:
+    """torchdata's StatefulDataLoader as users run it, one shuffled loader per rank: saved as
+    a plain entry it is refused (its sampler's generator differs by rank); as a PerRank entry
+    every rank resumes exactly where its own loader was."""
+    from resilient import PerRank, UnsupportedStateError
+
+    rank, world = init()
+    loader = _stateful_loader(100 + rank)
+    batches = iter(loader)
+    for _ in range(5):
+        next(batches)
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        try:
+            ckpt.save(5, {"loader": loader}, force=True)
+        except UnsupportedStateError as exc:
+            assert "loader/_sampler_iter_state/sampler_iter_state/generator" in str(exc), exc
+        else:
+            raise AssertionError("per-rank loader state saved as shared state")
+        ckpt.save(5, {"loader": PerRank(loader)}, force=True)
+    expected = [next(batches)[0].tolist() for _ in range(3)]
+    fresh = _stateful_loader(999)  # another order altogether, until restored
+    with Checkpointer(a["root"], rng=False) as ckpt:
+        assert ckpt.restore({"loader": PerRank(fresh)}) == 5
+    resumed = iter(fresh)
+    got = [next(resumed)[0].tolist() for _ in range(3)]
+    assert got == expected, (rank, got, expected)
+    print(f"rank {rank} loader resumed exactly", flush=True)
+
+
 SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
-                                     rank_dependent_tensor_refused, per_rank_save, per_rank_restore)}
+                                     rank_dependent_tensor_refused, per_rank_save, per_rank_restore,
+                                     stateful_dataloader_per_rank)}
 
 def finish_scenario() -> None:
     """End a scenario process: barrier, tear down the group, exit without interpreter teardown.
