@@ -16,7 +16,7 @@ import torch
 
 from ._chunkio import decode_chunk
 from ._errors import CheckpointCorruptError
-from ._format import MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
+from ._format import BAD_DIR, MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
 from ._layout import Box
 from ._tree import build_value
 from ._storage import Storage
@@ -59,16 +59,42 @@ class Catalog:
         return self.storage.exists(f"{step_dir_name(step)}/{MANIFEST}")
 
     def committed_steps(self) -> list[int]:
-        """Steps with a commit record, ascending; none when the root does not exist yet."""
+        """Steps with a commit record and not marked bad, ascending; none when the root does
+        not exist yet."""
         if not self.storage.exists(""):
             return []
-        return [s for s in self.steps() if self.is_committed(s)]
+        bad = self.bad_steps()
+        return [s for s in self.steps() if s not in bad and self.is_committed(s)]
+
+    def bad_steps(self) -> dict[int, str]:
+        """Committed steps that failed verification when restored (step -> reason): they
+        are not offered again and do not count towards retention. One listing."""
+        try:
+            names = self.storage.list(BAD_DIR)
+        except FileNotFoundError:
+            return {}
+        bad = {}
+        for name in names:
+            step = parse_step_dir(name.rsplit("/", 1)[-1])
+            if step is not None:
+                bad[step] = name
+        return bad
+
+    def mark_bad(self, step: int, reason: str) -> None:
+        self.storage.write(f"{BAD_DIR}/{step_dir_name(step)}", [reason.encode()[:4096]])
+
+    def clear_bad(self, step: int) -> None:
+        """A step committed again (a new copy) is no longer the one that failed."""
+        self.storage.delete(f"{BAD_DIR}/{step_dir_name(step)}")
 
     def entry(self, step: int, *, deep: bool = False, progress: Callable[[int], None] | None = None) -> Entry:
         """The state of ``step``: files and sizes checked; with ``deep``, every checksum too."""
         sdir = step_dir_name(step)
         if not self.is_committed(step):
             return Entry(step, PARTIAL, "no commit record (manifest.json)")
+        if step in self.bad_steps():
+            reason = self.storage.read(f"{BAD_DIR}/{sdir}").decode(errors="replace")
+            return Entry(step, CORRUPT, f"failed verification when restored: {reason}")
         try:
             manifest = self.manifest(step)
             for fname, record in manifest["files"].items():
@@ -176,7 +202,7 @@ class Catalog:
             if name not in tensors:
                 meta = manifest["tensors"][name]
                 tied = meta.get("same_as")
-                if isinstance(tied, str) and tied != name and tied in manifest["tensors"]:
+                if isinstance(tied, str) and "same_as" not in manifest["tensors"].get(tied, {"same_as": 0}):
                     tensors[name] = tensor(tied)  # one tensor under both names, as it was saved
                     return tensors[name]
                 out = allocate(meta) if allocate is not None else None
@@ -194,4 +220,5 @@ class Catalog:
         partial step, never a committed one with files missing."""
         sdir = step_dir_name(step)
         self.storage.delete(f"{sdir}/{MANIFEST}")
+        self.clear_bad(step)
         self.storage.delete(sdir)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, MutableMapping
 
@@ -36,6 +38,19 @@ from .launch.gang import Gang
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("resilient")
+
+# Checkpointers not closed yet: a script that ends without close() (or an exception that
+# skips it) still commits its save in flight at a normal interpreter exit, within the flush
+# timeout. The writer is a daemon thread and would otherwise die with the interpreter.
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for ckpt in list(_OPEN):
+        if not ckpt._closed:
+            log.info("resilient: interpreter exit: committing what %r has in flight", ckpt)
+            ckpt.close(timeout=ckpt.flush_timeout)
 
 _CODECS = {None: "none", "none": "none", "zstd": "zstd"}
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -170,6 +185,8 @@ class Checkpointer:
         self._inflight: SaveHandle | None = None
         self._handles: list[SaveHandle] = []
         self._bad_steps: set[int] = set()
+        self._restored_step: int | None = None
+        self._newest_committed: int | None = None
         self._lock = threading.Lock()
         # Cold reads reach the disk's sequential bandwidth only with several requests in
         # flight (measured: 4 threads ~80%, 8 threads ~90% of one sequential reader); ranks
@@ -197,6 +214,7 @@ class Checkpointer:
                 commits=self._coord.rank == 0,
                 keep_remote=self._keep_remote,
                 on_uploaded=self._on_uploaded,
+                protect=self._protected,
             )
             if metrics_enabled():
                 uploader, m = self._uploader, metrics()
@@ -204,6 +222,7 @@ class Checkpointer:
                 m.upload_lag_seconds.set_function(uploader.lag_seconds)
         self._uploaded_bytes_seen = 0
         self._closed = False
+        _OPEN.add(self)
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -319,8 +338,14 @@ class Checkpointer:
                               seconds=round(seconds, 6), bytes=moved)
         self._apply_retention()
 
+    def _protected(self) -> set[int]:
+        """Steps retention never deletes: the newest this job committed and the one it
+        restored from (the last known good state, even when newer steps proved bad)."""
+        return {s for s in (self._restored_step, self._newest_committed) if s is not None}
+
     def _after_commit(self, step: int) -> None:
         # leader, writer thread, right after a local commit
+        self._newest_committed = max(step, self._newest_committed or step)
         if self._uploader is not None:
             self._uploader.enqueue(step)
         self._apply_retention()
@@ -329,7 +354,7 @@ class Checkpointer:
         # leader; writer thread after a commit, uploader thread after an upload. A local
         # checkpoint that is not yet on the remote tier is never deleted to make room.
         with self._retention_lock:
-            for step in to_delete(self._keep, self._tier.committed_steps()):
+            for step in to_delete(self._keep, self._tier.committed_steps(), self._protected()):
                 if self._uploader is not None and not self._uploader.uploaded(step):
                     continue
                 self._tier.delete(step)
@@ -507,11 +532,12 @@ class Checkpointer:
             failure = self._fetch(step, fetched_steps)
             if coord.agree_max(int(failure is not None)):  # also: nobody reads before the fetch is done
                 failure = failure or CheckpointCorruptError(f"another node could not fetch step {step}")
+            loaded_here = False  # a failure below is then this copy's, not a fetch's
             try:
                 if failure is not None:
                     raise failure
                 manifest = self._tier.read_manifest(step)
-                touched = True
+                touched = loaded_here = True
                 rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, coord.world_size,
                                       self._read_pool, strict=strict)
             except (CheckpointCorruptError, OSError) as exc:
@@ -539,15 +565,29 @@ class Checkpointer:
                 log.warning(
                     "resilient: skipping checkpoint %s: %s", where, failure or "another rank could not load it"
                 )
+                if loaded_here and isinstance(failure, CheckpointCorruptError):
+                    self._mark_bad(step, str(failure), remote_too=step in refetched)
                 self._bad_steps.add(step)
                 ceiling = step
                 continue
             if self.rng and rng:
                 apply_rng(rng)
+            self._restored_step = step
             self._reported_first_step = False
             self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),
                               source=fetched_steps.get(step, "local"))
             return step
+
+    def _mark_bad(self, step: int, reason: str, *, remote_too: bool) -> None:
+        """Record that ``step`` failed verification here, so that no later restore, retention
+        or ``resilient-ckpt prune`` takes it for a good checkpoint (a new commit of the same
+        step clears the mark). ``remote_too``: this copy came from the remote tier."""
+        tiers = [self._tier.markers] + ([Catalog(self._remote)] if remote_too and self._remote is not None else [])
+        for catalog in tiers:
+            try:
+                catalog.mark_bad(step, reason)
+            except OSError as exc:
+                log.warning("resilient: could not mark step %d bad on %s: %s", step, catalog.storage.url, exc)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:

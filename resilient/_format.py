@@ -32,6 +32,7 @@ __all__ = [
     "VERSION",
     "MANIFEST",
     "REMOTE_RECORD",
+    "BAD_DIR",
     "step_dir_name",
     "parse_step_dir",
     "data_file_name",
@@ -45,6 +46,7 @@ FORMAT = "resilient.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
+BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
 _STEP_RE = re.compile(r"^step-(\d{10})$")
 _DTYPES = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)

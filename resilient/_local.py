@@ -21,9 +21,11 @@ import os
 import shutil
 import uuid
 
+from ._catalog import Catalog
 from ._chunkio import fsync_dir
 from ._errors import StorageError
 from ._format import MANIFEST, decode_manifest, parse_step_dir, step_dir_name
+from ._storage import LocalStorage
 
 __all__ = ["LocalTier"]
 
@@ -34,6 +36,8 @@ _TRASH = ".trash"
 class LocalTier:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        # bad-step markers are kept the same way on every tier (see Catalog.bad_steps)
+        self.markers = Catalog(LocalStorage(self.root))
 
     # -- setup ------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -104,6 +108,7 @@ class LocalTier:
             self._to_trash(final)
         os.rename(pending, final)
         fsync_dir(self.root)
+        self.markers.clear_bad(step)
         self._empty_trash()
 
     # -- reading ----------------------------------------------------------------------------
@@ -117,9 +122,10 @@ class LocalTier:
         except FileNotFoundError:
             return []
         steps = []
+        bad = self.markers.bad_steps()
         for name in names:
             step = parse_step_dir(name)
-            if step is not None and os.path.exists(os.path.join(self.root, name, MANIFEST)):
+            if step is not None and step not in bad and os.path.exists(os.path.join(self.root, name, MANIFEST)):
                 steps.append(step)
         return sorted(steps)
 
@@ -131,6 +137,7 @@ class LocalTier:
     # -- deleting ---------------------------------------------------------------------------
     def delete(self, step: int) -> None:
         self._to_trash(self.step_dir(step))
+        self.markers.clear_bad(step)
         self._empty_trash()
 
     def _to_trash(self, path: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Collection, Protocol, Sequence, runtime_checkable
 
 __all__ = [
     "SavePolicy",
@@ -135,9 +135,12 @@ def retention_policy(keep: int | RetentionPolicy | None) -> RetentionPolicy | No
     return KeepLast(keep)
 
 
-def to_delete(policy: RetentionPolicy | None, steps: Sequence[int]) -> list[int]:
-    """Steps the policy lets go; the newest step is never among them."""
+def to_delete(policy: RetentionPolicy | None, steps: Sequence[int], protect: Collection[int] = ()) -> list[int]:
+    """Steps the policy lets go among ``steps`` (good ones only: a step known bad neither
+    counts towards the policy nor is deleted by it). The newest step and ``protect`` (the
+    step just committed, the step the job restored from) are never among them, whatever
+    their step numbers say: a root may hold higher steps from an earlier run."""
     if policy is None or not steps:
         return []
-    kept = policy.keep(steps) | {max(steps)}
+    kept = policy.keep(steps) | {max(steps)} | set(protect)
     return [s for s in steps if s not in kept]

@@ -85,6 +85,7 @@ def commit_step(src: Catalog, dst: Storage, step: int) -> None:
     """Write ``step``'s commit record (its manifest) on ``dst``: the last write of a copy."""
     path = f"{step_dir_name(step)}/{MANIFEST}"
     dst.write(path, [src.storage.read(path)])
+    Catalog(dst).clear_bad(step)
 
 
 def has_all_files(catalog: Catalog, manifest: dict) -> bool:

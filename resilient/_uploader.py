@@ -36,6 +36,7 @@ class Uploader:
         commits: bool,
         keep_remote: RetentionPolicy | None,
         on_uploaded: Callable[[int, float | None], None],
+        protect: Callable[[], set[int]] = set,
         base_delay: float = 0.2,
         max_delay: float = 10.0,
     ) -> None:
@@ -44,6 +45,7 @@ class Uploader:
         self.commits = commits
         self.keep_remote = keep_remote
         self.on_uploaded = on_uploaded
+        self.protect = protect  # steps remote retention never deletes (see Checkpointer._protected)
         self.base_delay, self.max_delay = base_delay, max_delay
         self.retries = 0
         self.uploaded_bytes = 0
@@ -220,7 +222,7 @@ class Uploader:
         if self.keep_remote is None:
             return
         consistent = [e.step for e in self.remote.entries() if e.state == COMMITTED]
-        for step in to_delete(self.keep_remote, consistent):
+        for step in to_delete(self.keep_remote, consistent, self.protect()):
             self.remote.delete_step(step)
             log.info("resilient: deleted step %d from %s (retention %r)", step, self.remote.storage.url,
                      self.keep_remote)

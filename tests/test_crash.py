@@ -101,3 +101,22 @@ def test_checkpoints_hold_no_pickle_and_load_without_it(root, monkeypatch):
     with Checkpointer(root) as ckpt:
         assert ckpt.restore({"model": model2, "opt": opt2, "meta": None}) == 1
     assert torch.equal(model2.weight, model.weight)
+
+
+def test_normal_exit_without_close_commits_the_save_in_flight(tmp_path):
+    import subprocess
+    import sys
+
+    from .launch import REPO
+
+    root = str(tmp_path / "ckpt")
+    script = (
+        "import sys, torch\n"
+        "from resilient import Checkpointer\n"
+        "ckpt = Checkpointer(sys.argv[1])\n"
+        "ckpt.save(1, {'w': torch.randn(1 << 22)})  # 16 MiB, still being written at the end\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr
+    assert Checkpointer(root).latest() == 1

@@ -1,0 +1,69 @@
+"""Retention never deletes the last good state: steps known bad do not count, the step just
+committed and the step restored from are kept, whatever the step numbers say."""
+
+import os
+import time
+
+import torch
+
+from resilient import Checkpointer
+from resilient.ckpt import main as ckpt_main
+
+from .faults import flip_byte
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((64,), float(step)), "meta": {"step": step}}
+
+
+def _steps(root: str) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-"))
+
+
+def _settled(root: str, want: list[int]) -> list[int]:
+    """The steps on disk once retention (which runs just after a commit settles) is done."""
+    deadline = time.monotonic() + 10
+    while _steps(root) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _steps(root)
+
+
+def test_corrupt_newest_then_keep_1_keeps_what_restored(root, capsys):
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(200, _state(200))
+        ckpt.save(300, _state(300))
+    flip_byte(os.path.join(root, "step-0000000300", "rank-00000.data"), 20)
+    target = _state(0)
+    with Checkpointer(root, keep=1) as ckpt:
+        assert ckpt.restore(target) == 200  # 300 fails its checksums
+        ckpt.save(210, _state(210))
+        ckpt.wait()
+        assert _settled(root, [200, 210, 300]) == [200, 210, 300]  # 200 restored cleanly, 210 just committed
+        ckpt.save(220, _state(220))
+        ckpt.wait()
+        assert _settled(root, [200, 220, 300]) == [200, 220, 300]  # 300 is bad: it neither counts nor is deleted
+    with Checkpointer(root, keep=1) as ckpt:  # the next restart does not try 300 again
+        assert ckpt.latest() == 220 and ckpt.restore(target) == 220 and target["meta"] == {"step": 220}
+    assert ckpt_main(["ls", root]) == 1  # a problem to show: exit 1
+    listing = capsys.readouterr().out
+    assert "failed verification when restored" in listing
+    assert ckpt_main(["prune", root, "--keep", "1"]) == 0
+    assert _steps(root) == [220, 300]
+    # a new commit of step 300 replaces the bad copy and clears the mark
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(300, _state(300))
+        ckpt.wait()
+        assert ckpt.latest() == 300
+
+
+def test_higher_steps_from_an_earlier_run_do_not_evict_the_new_ones(root):
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(500, _state(500))
+        ckpt.save(600, _state(600))
+    with Checkpointer(root, keep=2) as ckpt:  # a new run that starts at 0 on the same root
+        ckpt.save(10, _state(10))
+        ckpt.wait()
+        assert 10 in _steps(root)
+        ckpt.save(20, _state(20))
+        ckpt.wait()
+        assert 20 in _steps(root)
