@@ -104,7 +104,7 @@ class Catalog:
                                  manifest)
             if deep:
                 for fname in manifest["files"]:
-                    self._verify_file(manifest, step, fname, progress)
+                    self.verify_file(manifest, step, fname, progress)
         except FileNotFoundError as exc:
             return Entry(step, CORRUPT, f"missing file: {exc}")
         except CheckpointCorruptError as exc:
@@ -145,7 +145,8 @@ class Catalog:
                 yield chunk, decode_chunk(chunk, stored, where, decode=decode)
             i = j
 
-    def _verify_file(self, manifest: dict, step: int, fname: str, progress: Callable[[int], None] | None) -> None:
+    def verify_file(self, manifest: dict, step: int, fname: str, progress: Callable[[int], None] | None = None) -> None:
+        """Read every chunk of a data file and check its CRC; CheckpointCorruptError if not."""
         for chunk, _ in self.chunks(step, fname, manifest["files"][fname]["chunks"], decode=False):
             if progress:
                 progress(chunk[3])

@@ -6,6 +6,7 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -45,12 +46,18 @@ log = logging.getLogger("resilient")
 _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
-@atexit.register
 def _close_at_exit() -> None:
     for ckpt in list(_OPEN):
         if not ckpt._closed:
             log.info("resilient: interpreter exit: committing what %r has in flight", ckpt)
             ckpt.close(timeout=ckpt.flush_timeout)
+
+
+# Before ``atexit``: thread pools refuse work once threading's shutdown hooks have run
+# (concurrent.futures registers one), and the writer encodes on a pool. Hooks run last
+# registered first, and concurrent.futures is imported (and registered) before this line.
+_register = getattr(threading, "_register_atexit", atexit.register)
+_register(_close_at_exit)
 
 _CODECS = {None: "none", "none": "none", "zstd": "zstd"}
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -430,10 +437,15 @@ class Checkpointer:
 
     def _from_memory(self, step: int) -> bool:
         """Leader: fill in files of ``step`` missing locally from peers' memory (manifest
-        last, when the step is not committed here); True when the step is then complete."""
+        last, when the step is not committed here); True when the step is then complete.
+
+        What peers send is written aside and checked against the manifest's checksums
+        before it takes any file's place: a bad copy never replaces a good one, and an
+        uncommitted step appears only complete."""
         sdir = step_dir_name(step)
-        if step in self._tier.committed_steps():
-            manifest = self._tier.read_manifest(step)
+        committed = step in self._tier.committed_steps()
+        if committed:
+            manifest, raw = self._tier.read_manifest(step), None
         else:
             raw = self._memory.fetch(step, [MANIFEST]).get(MANIFEST)
             if raw is None:
@@ -443,13 +455,28 @@ class Checkpointer:
         missing = [name for name, record in manifest["files"].items()
                    if not (storage.exists(f"{sdir}/{name}") and storage.size(f"{sdir}/{name}") == record["bytes"])]
         found = self._memory.fetch(step, missing)
-        for name, data in found.items():
-            storage.write(f"{sdir}/{name}", [data])
         if len(found) < len(missing):
             return False
-        if step not in self._tier.committed_steps():
-            storage.write(f"{sdir}/{MANIFEST}", [raw])
-        return True
+        aside = LocalStorage(self._tier.pending_dir(f"{self._coord.session}-memory", step))
+        try:
+            aside_catalog = Catalog(aside)
+            for name, data in found.items():
+                if len(data) != manifest["files"][name]["bytes"]:
+                    raise CheckpointCorruptError(f"peer memory: {sdir}/{name} has {len(data)} bytes, the "
+                                                 f"manifest says {manifest['files'][name]['bytes']}")
+                aside.write(f"{sdir}/{name}", [data])
+                aside_catalog.verify_file(manifest, step, name)  # CheckpointCorruptError if not
+            if committed:  # files of a committed step: each moved in once verified
+                for name in found:
+                    os.replace(aside.local_path(f"{sdir}/{name}"), storage.local_path(f"{sdir}/{name}"))
+                return True
+            for name in set(manifest["files"]) - set(found):  # present here: moved aside too
+                os.replace(storage.local_path(f"{sdir}/{name}"), aside.local_path(f"{sdir}/{name}"))
+            aside.write(f"{sdir}/{MANIFEST}", [raw])
+            self._tier.install(aside.local_path(sdir), step)
+            return True
+        finally:
+            shutil.rmtree(aside.root, ignore_errors=True)
 
     def _fetch(self, step: int, fetched: dict[int, str]) -> Exception | None:
         """Leader: make every file of ``step`` present locally, taking what is missing from
@@ -460,9 +487,12 @@ class Checkpointer:
             local_has = step in self._tier.committed_steps()
             if local_has and has_all_files(self._local_catalog, self._tier.read_manifest(step)):
                 return None
-            if self._memory is not None and self._from_memory(step):
-                fetched[step] = "memory"
-                return None
+            try:
+                if self._memory is not None and self._from_memory(step):
+                    fetched[step] = "memory"
+                    return None
+            except CheckpointCorruptError as exc:  # a bad copy in a peer's memory: try the remote tier
+                log.warning("resilient: %s", exc)
             if self._remote is None:
                 raise CheckpointCorruptError(f"files of step {step} are neither here nor in a peer's memory")
             t0 = time.perf_counter()

@@ -17,6 +17,7 @@ A reader sees a step directory only after that rename, complete and checksummed.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import uuid
@@ -29,8 +30,11 @@ from ._storage import LocalStorage
 
 __all__ = ["LocalTier"]
 
+log = logging.getLogger("resilient")
+
 _PENDING = ".pending"
 _TRASH = ".trash"
+_REPLACED = ".replaced"  # trash name suffix of a step copy set aside by ``install``
 
 
 class LocalTier:
@@ -72,7 +76,10 @@ class LocalTier:
             pass
 
     def clean_leftovers(self, keep_session: str) -> list[str]:
-        """Delete abandoned pending saves and trash; returns what was removed."""
+        """Delete abandoned pending saves and trash; returns what was removed (after putting
+        back a replaced step whose new copy never arrived)."""
+        for path in self._put_back_replaced():
+            log.warning("resilient: %s was being replaced when a process died; the previous copy is back", path)
         removed = []
         for sub in (_PENDING, _TRASH):
             base = os.path.join(self.root, sub)
@@ -103,10 +110,20 @@ class LocalTier:
             os.fsync(f.fileno())
         os.rename(tmp, os.path.join(pending, MANIFEST))
         fsync_dir(pending)
+        self.install(pending, step)
+
+    def install(self, complete: str, step: int) -> None:
+        """Make directory ``complete`` (every file and the manifest in it, fsync'd) step
+        ``step``, replacing a copy already there without ever leaving neither.
+
+        The old copy is renamed aside as ``.trash/step-….replaced-…`` and the new one renamed
+        in; a crash between the two renames is repaired at the next start, which puts the old
+        copy back (``clean_leftovers``) instead of deleting it with the trash.
+        """
         final = self.step_dir(step)
         if os.path.exists(final):  # a step saved again (e.g. after a restore skipped it)
-            self._to_trash(final)
-        os.rename(pending, final)
+            self._to_trash(final, _REPLACED)
+        os.rename(complete, final)
         fsync_dir(self.root)
         self.markers.clear_bad(step)
         self._empty_trash()
@@ -140,11 +157,26 @@ class LocalTier:
         self.markers.clear_bad(step)
         self._empty_trash()
 
-    def _to_trash(self, path: str) -> None:
+    def _to_trash(self, path: str, why: str = ".deleted") -> None:
         trash = os.path.join(self.root, _TRASH)
         os.makedirs(trash, exist_ok=True)
-        os.rename(path, os.path.join(trash, f"{os.path.basename(path)}-{uuid.uuid4().hex[:8]}"))
+        os.rename(path, os.path.join(trash, f"{os.path.basename(path)}{why}-{uuid.uuid4().hex[:8]}"))
         fsync_dir(self.root)
+
+    def _put_back_replaced(self) -> list[str]:
+        """Copies set aside by ``install`` whose replacement never arrived (a crash between
+        its renames) go back to their place: the step stays as it was before."""
+        trash = os.path.join(self.root, _TRASH)
+        restored = []
+        for name in sorted(os.listdir(trash)) if os.path.isdir(trash) else []:
+            step_name, sep, _ = name.partition(_REPLACED)
+            final = os.path.join(self.root, step_name)
+            if sep and parse_step_dir(step_name) is not None and not os.path.exists(final):
+                os.rename(os.path.join(trash, name), final)
+                restored.append(final)
+        if restored:
+            fsync_dir(self.root)
+        return restored
 
     def _empty_trash(self) -> None:
         shutil.rmtree(os.path.join(self.root, _TRASH), ignore_errors=True)

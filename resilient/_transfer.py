@@ -8,12 +8,16 @@ complete, so a reader of the destination never sees a half-copied step as commit
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from ._catalog import Catalog
 from ._format import MANIFEST, step_dir_name
+from ._local import LocalTier
 from ._storage import LocalStorage, Storage
 
 __all__ = ["copy_step", "commit_step", "has_all_files"]
@@ -39,6 +43,16 @@ def copy_step(
     """
     manifest = src.manifest(step)
     sdir = step_dir_name(step)
+    if not skip_present and commit and dst.exists(f"{sdir}/{MANIFEST}"):
+        # The destination holds this step already: its copy stays until the new one is
+        # complete and verified. On a local disk the new copy is built aside and swapped in;
+        # an object store has no rename, so there the whole source is verified before the
+        # old copy is uncommitted (the source keeps a good copy throughout).
+        if isinstance(dst, LocalStorage):
+            return _replace_local(src, dst, step, progress, workers)
+        for fname, record in manifest["files"].items():
+            for _ in src.chunks(step, fname, record["chunks"], decode=False):
+                pass
     if not skip_present:
         dst.delete(f"{sdir}/{MANIFEST}")  # re-copying a step: uncommit the old copy first
     lock = threading.Lock()
@@ -78,6 +92,18 @@ def copy_step(
         total = sum(one(*item) for item in files)
     if commit:
         commit_step(src, dst, step)
+    return total
+
+
+def _replace_local(src: Catalog, dst: LocalStorage, step: int, progress: Callable[[int], None] | None,
+                   workers: int) -> int:
+    tier = LocalTier(dst.root)
+    aside = LocalStorage(os.path.join(tier.pending_dir(f"copy-{uuid.uuid4().hex[:8]}", 0)))
+    try:
+        total = copy_step(src, aside, step, progress, workers=workers)  # verified as it streams
+        tier.install(aside.local_path(step_dir_name(step)), step)
+    finally:
+        shutil.rmtree(aside.root, ignore_errors=True)
     return total
 
 

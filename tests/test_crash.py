@@ -119,4 +119,4 @@ def test_normal_exit_without_close_commits_the_save_in_flight(tmp_path):
     out = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr
-    assert Checkpointer(root).latest() == 1
+    assert Checkpointer(root).latest() == 1, out.stderr[-3000:]

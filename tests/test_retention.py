@@ -67,3 +67,48 @@ def test_higher_steps_from_an_earlier_run_do_not_evict_the_new_ones(root):
         ckpt.save(20, _state(20))
         ckpt.wait()
         assert 20 in _steps(root)
+
+
+def test_crash_while_a_step_is_replaced_puts_the_old_copy_back(root):
+    """install() sets the old copy aside, then renames the new one in; a process that dies
+    between the two leaves the old copy in the trash: the next start puts it back."""
+    import uuid
+
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(5, _state(5))
+    trash = os.path.join(root, ".trash")
+    os.makedirs(trash, exist_ok=True)
+    os.rename(os.path.join(root, "step-0000000005"),
+              os.path.join(trash, f"step-0000000005.replaced-{uuid.uuid4().hex[:8]}"))
+    target = _state(0)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(target) == 5 and target["meta"] == {"step": 5}
+
+
+def test_forced_copy_from_a_corrupt_source_keeps_the_good_destination(tmp_path, capsys, s3_server):
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    for where, value in ((good, 3), (bad, 33)):
+        with Checkpointer(where, keep=None) as ckpt:
+            ckpt.save(3, _state(value))
+    flip_byte(os.path.join(bad, "step-0000000003", "rank-00000.data"), 40)
+    # pull onto a local root that has the step: refused, the old copy untouched
+    assert ckpt_main(["pull", bad, good, "--step", "3", "--force"]) == 1
+    target = _state(0)
+    with Checkpointer(good) as ckpt:
+        assert ckpt.restore(target) == 3 and target["meta"] == {"step": 3}
+    # push onto an object store that has the step: the source is checked before uncommitting
+    import uuid
+
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+    from resilient._transfer import copy_step
+
+    remote = open_storage(f"s3://{s3_server['bucket']}/keep-{uuid.uuid4().hex[:8]}", s3_server["options"])
+    copy_step(Catalog(open_storage(good)), remote, 3)
+    try:
+        copy_step(Catalog(open_storage(bad)), remote, 3)
+    except Exception as exc:  # noqa: BLE001 - the corrupt source's error, whatever its type
+        assert "checksum" in str(exc) or "CRC" in str(exc), exc
+    else:
+        raise AssertionError("a corrupt source was copied")
+    assert Catalog(remote).entry(3, deep=True).state == "committed"
