@@ -21,6 +21,8 @@ from ._events import EventLog
 from ._format import MANIFEST, REMOTE_RECORD, data_file_name, decode_manifest, step_dir_name
 from ._local import LocalTier
 from ._peer_memory import PeerMemory
+from ._preempt import grace_seconds
+from ._preempt import watch as watch_preemption
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import load_checkpoint
 from ._rng import apply_rng, capture_rng
@@ -230,6 +232,8 @@ class Checkpointer:
         self._uploaded_bytes_seen = 0
         self._closed = False
         _OPEN.add(self)
+        # SIGTERM / SIGUSR1: the next save() checkpoints that step and exits (see _preempt)
+        self._preemption = watch_preemption()
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -266,9 +270,7 @@ class Checkpointer:
                 self._reported_first_step = True
                 self._events.emit("first_step", step=step)
             self._events.emit("step", step=step)  # progress, for timelines and goodput
-        due = force or self._save_policy.due(step, time.monotonic())
-        if getattr(self._save_policy, "time_based", False) and not force:
-            due = self._coord.broadcast_flag(due)
+        due, preempted = self._decide(step, force)
         if not due:
             return None
         # under @resilient.elastic, a process waiting to join: every rank agrees (at a save
@@ -304,10 +306,45 @@ class Checkpointer:
                 handle=handle,
             )
         )
+        if preempted:
+            self._exit_preempted(step)
         if joining:
             self.wait()
             raise GangChange(f"a process joins the gang: step {step} is committed, re-forming")
         return handle
+
+    def _decide(self, step: int, force: bool) -> tuple[bool, bool]:
+        """(is this step saved, is the job being preempted), the same on every rank.
+
+        One small all-reduce carries both when either needs agreement: a time-based policy
+        (rank 0's clock decides) and preemption (a signal seen by any rank counts)."""
+        time_based = bool(getattr(self._save_policy, "time_based", False)) and not force
+        due = force or self._save_policy.due(step, time.monotonic())
+        preempt = self._preemption is not None and self._preemption.requested
+        if self._coord.world_size > 1 and (time_based or self._preemption is not None):
+            vote = int(due) if (not time_based or self._coord.rank == 0) else 0
+            due_max, preempt_max = self._coord.agree_max_many([vote, int(preempt)])
+            due, preempt = bool(due_max), bool(preempt_max)
+        return due or preempt, preempt
+
+    def _exit_preempted(self, step: int) -> None:
+        """Commit ``step``, drain it to the remote tier within the grace, then end the process
+        with status 0: the platform kills it soon anyway, and nothing is lost."""
+        watch = self._preemption
+        started = watch.at if watch is not None and watch.at is not None else time.monotonic()
+        deadline = started + grace_seconds()
+        self.wait(max(0.0, deadline - time.monotonic()))
+        local_s = time.monotonic() - started
+        remote_s = None
+        if self._remote is not None:
+            self.flush(max(0.0, deadline - time.monotonic()))
+            remote_s = time.monotonic() - started
+        self._events.emit("preempted", step=step, signal=watch.signal if watch else None,
+                          local_s=round(local_s, 3), remote_s=None if remote_s is None else round(remote_s, 3))
+        log.warning("resilient: preempted: step %d committed %.2f s after the signal%s; exiting", step, local_s,
+                    "" if remote_s is None else f", on the remote tier after {remote_s:.2f} s")
+        self.close()
+        raise SystemExit(0)
 
     def _layout_plan(self, flat: Flattened) -> RankPlan:
         """This rank's plan, made again (together: it is collective) when any rank's layout

@@ -52,8 +52,9 @@ class Coordinator:
     def agree_max(self, value: int) -> int:
         return value
 
-    def broadcast_flag(self, flag: bool) -> bool:
-        return flag
+    def agree_max_many(self, values: list[int]) -> list[int]:
+        """Element-wise maximum over ranks of several values, in one collective."""
+        return list(values)
 
     def barrier(self) -> None:
         pass
@@ -113,20 +114,21 @@ class GroupCoordinator(Coordinator):
         self._store = dist.PrefixStore(f"resilient/{self.session}/", _default_store())
 
     def _reduce(self, value: int, op: dist.ReduceOp) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=self._device)
+        return self._reduce_many([value], op)[0]
+
+    def _reduce_many(self, values: list[int], op: dist.ReduceOp) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=op, group=self.group)
-        return int(t.item())
+        return [int(v) for v in t.tolist()]
+
+    def agree_max_many(self, values: list[int]) -> list[int]:
+        return self._reduce_many(values, dist.ReduceOp.MAX)
 
     def agree_min(self, value: int) -> int:
         return self._reduce(value, dist.ReduceOp.MIN)
 
     def agree_max(self, value: int) -> int:
         return self._reduce(value, dist.ReduceOp.MAX)
-
-    def broadcast_flag(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int64, device=self._device)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        return bool(t.item())
 
     def barrier(self) -> None:
         self.agree_min(0)  # a reduce is a barrier that works on every backend

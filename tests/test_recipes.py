@@ -79,12 +79,47 @@ def test_slurm_script_starts_one_agent_per_node_with_spares(tmp_path):
     assert argv[:3] == ["--kill-on-bad-exit=0", "--ntasks-per-node=1", "resilient-run"]
     args = parse(argv[3:])
     assert args.nnodes == "2:4" and args.nproc_per_node == "8" and args.rdzv_id == "slurm-77"
+    assert args.shutdown_timeout == 150  # the workers' grace after USR1 (sent 180 s before the end)
     assert args.rdzv_endpoint == "e1:2379,e2:2379"
     assert args.training_script_args == ["--root=/nvme/resilient-77", "--remote=s3://b/run", "--lr", "3e-4"]
     assert "1 spare" in out.stdout
+    with open(script) as f:
+        header = f.read()
+    assert "#SBATCH --signal=B:USR1@180" in header and "#SBATCH --requeue" in header
     missing = subprocess.run(["bash", script, "train.py"], env={k: v for k, v in env.items() if k != "RESILIENT_ETCD"},
                              capture_output=True, text=True, timeout=30)
     assert missing.returncode != 0 and "RESILIENT_ETCD" in missing.stderr
+
+
+def test_slurm_script_passes_usr1_to_the_agents_and_requeues(tmp_path):
+    """Slurm signals the batch shell (B:USR1); the script hands USR1 to srun (which passes it
+    to the agents), waits for the step to end, then requeues the job."""
+    import signal
+    import time
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "log"
+    (fake / "srun").write_text(f"#!/bin/bash\ntrap 'echo srun-got-usr1 >> {log}; exit 0' USR1\n"
+                               "while :; do sleep 0.05; done\n")
+    (fake / "scontrol").write_text(f'#!/bin/sh\necho scontrol "$@" >> {log}\n')
+    for tool in ("srun", "scontrol"):
+        (fake / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "RESILIENT_ETCD": "e1:2379",
+           "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_ID": "78", "SLURM_GPUS_ON_NODE": "8", "SLURM_TMPDIR": "/nvme"}
+    script = os.path.join(REPO, "launchers", "slurm", "train.sbatch")
+    proc = subprocess.Popen(["bash", script, "train.py"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=str(tmp_path))
+    deadline = time.monotonic() + 20  # until the (fake) srun runs and has its trap set
+    while not subprocess.run(["pgrep", "-f", str(fake / "srun")], capture_output=True).stdout.strip():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert log.read_text().splitlines() == ["srun-got-usr1", "scontrol requeue 78"]
+    assert "checkpointing and requeueing" in out
 
 
 def test_lifecycle_policy_is_accepted_by_an_s3_server(s3_server):

@@ -27,6 +27,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+from .._preempt import GRACE_ENV
 from .._regroup import AGENT_HEARTBEAT_ENV
 from .._regroup import ENV as REGROUP_ENV
 from ._inprocess import NODE_ENV, InProcessRecovery
@@ -212,12 +213,28 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    prepare_preemption(args)
     if args.event_log:
         os.environ["RESILIENT_EVENT_LOG"] = os.path.abspath(args.event_log)
     if args.metrics_port is not None:
         serve_metrics(args.metrics_port, args.event_log)
     install()
     run(args)
+
+
+def prepare_preemption(args: argparse.Namespace) -> None:
+    """SIGUSR1 (Slurm's ``--signal``) is a death signal for the agent like SIGTERM: the
+    agent passes it to the workers and gives them ``--shutdown-timeout`` seconds (torch's
+    flag; default 30, Kubernetes' default grace) before SIGKILL. The workers learn their
+    share of it, minus a margin for the exit, as ``RESILIENT_PREEMPT_GRACE``."""
+    handled = [name.strip() for name in (args.signals_to_handle or "").split(",") if name.strip()]
+    if "SIGUSR1" not in handled:  # otherwise SIGUSR1's default action kills the agent at once
+        args.signals_to_handle = ",".join(handled + ["SIGUSR1"])
+    timeout = args.shutdown_timeout
+    if timeout is None:
+        timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        args.shutdown_timeout = timeout
+    os.environ.setdefault(GRACE_ENV, str(max(1.0, timeout - 5.0)))
 
 
 def serve_metrics(port: int, event_log: str | None) -> None:
