@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import logging
 import os
@@ -15,8 +16,9 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 
 from ._catalog import Catalog
+from ._claim import claim_root, job_id, live_sessions, release_root
 from ._coord import Coordinator, make_coordinator
-from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError
+from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError, StorageError
 from ._events import EventLog
 from ._format import MANIFEST, REMOTE_RECORD, data_file_name, decode_manifest, step_dir_name
 from ._local import LocalTier
@@ -171,10 +173,12 @@ class Checkpointer:
         # ``_coordinator``: a caller that saves from one rank only (Lightning's CheckpointIO)
         # passes a solo one, so that no collective waits for ranks that never call
         self._coord: Coordinator = _coordinator or make_coordinator(process_group, self._tier)
+        self._claimed = self._claim_root()
         if self._coord.is_leader:
             if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
                 self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])
-            for path in self._tier.clean_leftovers(keep_session=self._coord.session):
+            live = live_sessions(self._tier.root) | {self._coord.session}  # this process's saves in flight
+            for path in self._tier.clean_leftovers(keep_sessions=live):
                 log.info("resilient: removed leftover of an uncommitted save: %s", path)
         self._coord.barrier()
 
@@ -234,6 +238,24 @@ class Checkpointer:
         _OPEN.add(self)
         # SIGTERM / SIGUSR1: the next save() checkpoints that step and exits (see _preempt)
         self._preemption = watch_preemption()
+
+    def _claim_root(self) -> bool:
+        """Leaders claim the root for this job (see ``_claim``), before anything is cleaned
+        or written; every rank raises together when one cannot."""
+        refused: StorageError | None = None
+        claimed = False
+        if self._coord.is_leader:
+            try:
+                claim_root(self._tier.root, job_id(self._coord.session), self._coord.session)
+                claimed = True
+            except StorageError as exc:
+                refused = exc
+        if self._coord.agree_max(int(refused is not None)):
+            if claimed:
+                release_root(self._tier.root, self._coord.session)
+            raise refused or StorageError(errno.EBUSY, "another rank's checkpoint root is in use by another job "
+                                                       "(see that rank's error)")
+        return claimed
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -682,6 +704,7 @@ class Checkpointer:
             if not self._writer.stop(timeout=timeout):
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._read_pool.shutdown()
+            self._release_root()
 
     def abandon(self) -> None:
         """Stop at once after a failure of the gang: in-flight saves need peers that may be
@@ -697,6 +720,12 @@ class Checkpointer:
         self._events.close()
         self._writer.stop(timeout=0)
         self._read_pool.shutdown(wait=False)
+        self._release_root()
+
+    def _release_root(self) -> None:
+        if self._claimed:
+            self._claimed = False
+            release_root(self._tier.root, self._coord.session)
 
     def _pause_watchdog(self) -> None:
         # restoring and waiting for commits are not steps: a long one is not a hang

@@ -75,7 +75,7 @@ class LocalTier:
         except FileNotFoundError:
             pass
 
-    def clean_leftovers(self, keep_session: str) -> list[str]:
+    def clean_leftovers(self, keep_sessions: set[str]) -> list[str]:
         """Delete abandoned pending saves and trash; returns what was removed (after putting
         back a replaced step whose new copy never arrived)."""
         for path in self._put_back_replaced():
@@ -86,7 +86,7 @@ class LocalTier:
             if not os.path.isdir(base):
                 continue
             for name in os.listdir(base):
-                if keep_session and name.startswith(f"marker-{keep_session}-"):
+                if any(name.startswith((f"marker-{session}-", f"{session}-")) for session in keep_sessions if session):
                     continue
                 path = os.path.join(base, name)
                 shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
