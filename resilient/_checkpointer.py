@@ -173,13 +173,12 @@ class Checkpointer:
         # ``_coordinator``: a caller that saves from one rank only (Lightning's CheckpointIO)
         # passes a solo one, so that no collective waits for ranks that never call
         self._coord: Coordinator = _coordinator or make_coordinator(process_group, self._tier)
-        self._claimed = self._claim_root()
+        self._claimed: bool | None = None  # None: not yet asked (see _claim_root, at the first save)
         if self._coord.is_leader:
             if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
                 self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])
-            live = live_sessions(self._tier.root) | {self._coord.session}  # this process's saves in flight
-            for path in self._tier.clean_leftovers(keep_sessions=live):
-                log.info("resilient: removed leftover of an uncommitted save: %s", path)
+            for path in self._tier.put_back_replaced():
+                log.warning("resilient: %s was being replaced when a process died; the previous copy is back", path)
         self._coord.barrier()
 
         # in-process recoveries (see ``_elastic``) keep the process: the generation tells
@@ -239,23 +238,28 @@ class Checkpointer:
         # SIGTERM / SIGUSR1: the next save() checkpoints that step and exits (see _preempt)
         self._preemption = watch_preemption()
 
-    def _claim_root(self) -> bool:
-        """Leaders claim the root for this job (see ``_claim``), before anything is cleaned
-        or written; every rank raises together when one cannot."""
+    def _claim_root(self) -> None:
+        """Before the first save writes anything: leaders claim the root for this job (see
+        ``_claim``), then remove what abandoned saves left; every rank raises together when a
+        leader cannot claim. Reading (``latest``, ``restore``) claims nothing, so inspecting a
+        root that a job is writing is harmless."""
         refused: StorageError | None = None
         claimed = False
         if self._coord.is_leader:
             try:
                 claim_root(self._tier.root, job_id(self._coord.session), self._coord.session)
                 claimed = True
+                live = live_sessions(self._tier.root)  # this process's saves in flight are not leftovers
+                for path in self._tier.clean_leftovers(keep_sessions=live):
+                    log.info("resilient: removed leftover of an uncommitted save: %s", path)
             except StorageError as exc:
                 refused = exc
-        if self._coord.agree_max(int(refused is not None)):
-            if claimed:
-                release_root(self._tier.root, self._coord.session)
+        self._claimed = claimed
+        if self._coord.agree_max(int(refused is not None)):  # also: nobody writes before the cleanup
+            self._release_root()
+            self._claimed = None
             raise refused or StorageError(errno.EBUSY, "another rank's checkpoint root is in use by another job "
                                                        "(see that rank's error)")
-        return claimed
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -298,6 +302,8 @@ class Checkpointer:
         # under @resilient.elastic, a process waiting to join: every rank agrees (at a save
         # that is due anyway, so steps pay nothing) to commit this step and re-form
         joining = self._join_pending is not None and bool(self._coord.agree_max(int(self._join_pending())))
+        if self._claimed is None:
+            self._claim_root()
         handle = SaveHandle(step, on_settle=self._count)
         self._events.emit("save_started", step=step)
         flat = flatten_state(state, self._coord.rank)  # raises on unsupported values before anything is written

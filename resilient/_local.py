@@ -78,8 +78,7 @@ class LocalTier:
     def clean_leftovers(self, keep_sessions: set[str]) -> list[str]:
         """Delete abandoned pending saves and trash; returns what was removed (after putting
         back a replaced step whose new copy never arrived)."""
-        for path in self._put_back_replaced():
-            log.warning("resilient: %s was being replaced when a process died; the previous copy is back", path)
+        self.put_back_replaced()  # never delete a set-aside copy whose replacement is missing
         removed = []
         for sub in (_PENDING, _TRASH):
             base = os.path.join(self.root, sub)
@@ -118,7 +117,7 @@ class LocalTier:
 
         The old copy is renamed aside as ``.trash/step-….replaced-…`` and the new one renamed
         in; a crash between the two renames is repaired at the next start, which puts the old
-        copy back (``clean_leftovers``) instead of deleting it with the trash.
+        copy back (``put_back_replaced``) instead of deleting it with the trash.
         """
         final = self.step_dir(step)
         if os.path.exists(final):  # a step saved again (e.g. after a restore skipped it)
@@ -163,7 +162,7 @@ class LocalTier:
         os.rename(path, os.path.join(trash, f"{os.path.basename(path)}{why}-{uuid.uuid4().hex[:8]}"))
         fsync_dir(self.root)
 
-    def _put_back_replaced(self) -> list[str]:
+    def put_back_replaced(self) -> list[str]:
         """Copies set aside by ``install`` whose replacement never arrived (a crash between
         its renames) go back to their place: the step stays as it was before."""
         trash = os.path.join(self.root, _TRASH)

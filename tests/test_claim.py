@@ -1,5 +1,6 @@
-"""One job per checkpoint root: a second job is refused with an error naming the root and
-its holder; a killed holder's claim dies with it; the ranks of one job share the root."""
+"""One job per checkpoint root: a second job's first save is refused with an error naming
+the root and its holder (reading is allowed); a killed holder's claim dies with it; the
+ranks of one job share the root."""
 
 import os
 import signal
@@ -39,8 +40,10 @@ def test_second_job_on_a_root_is_refused_and_the_first_goes_on(tmp_path):
     root = str(tmp_path / "ckpt")
     holder = _holder(root)
     try:
-        with pytest.raises(StorageError, match=rf"checkpoint root '{root}' is in use by another job .*pid {holder.pid}"):
-            Checkpointer(root)
+        with Checkpointer(root) as second:  # reading is harmless: no claim
+            second.latest()
+            with pytest.raises(StorageError, match=rf"checkpoint root '{root}' is in use by another job .*pid {holder.pid}"):
+                second.save(10**6, {"w": torch.zeros(1000)})  # writing is refused, nothing touched
         before = len([n for n in os.listdir(root) if n.startswith("step-")])
         time.sleep(0.5)
         assert holder.poll() is None  # the first job is untouched and keeps committing
