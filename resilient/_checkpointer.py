@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 import weakref
@@ -51,8 +52,16 @@ _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
 def _close_at_exit() -> None:
+    # An uncaught exception (Python keeps it in sys.last_value) usually means the gang broke:
+    # a commit would wait for peers that are gone, so what is in flight is dropped, as before.
+    crashed = getattr(sys, "last_value", None) is not None
     for ckpt in list(_OPEN):
-        if not ckpt._closed:
+        if ckpt._closed:
+            continue
+        if crashed:
+            log.warning("resilient: exit after an uncaught exception: abandoning what %r has in flight", ckpt)
+            ckpt.abandon()
+        else:
             log.info("resilient: interpreter exit: committing what %r has in flight", ckpt)
             ckpt.close(timeout=ckpt.flush_timeout)
 
@@ -628,6 +637,7 @@ class Checkpointer:
             if coord.agree_max(int(failure is not None)):  # also: nobody reads before the fetch is done
                 failure = failure or CheckpointCorruptError(f"another node could not fetch step {step}")
             loaded_here = False  # a failure below is then this copy's, not a fetch's
+            proven_bad = False  # its bytes or manifest failed a check (not, say, the program's load_state_dict)
             try:
                 if failure is not None:
                     raise failure
@@ -637,8 +647,14 @@ class Checkpointer:
                                       self._read_pool, strict=strict)
             except (CheckpointCorruptError, OSError) as exc:
                 failure = exc
+                proven_bad = loaded_here and isinstance(exc, CheckpointCorruptError)
             except ResilientError as exc:  # the state does not fit: no older step will help
                 refused = exc
+            except (KeyError, TypeError, ValueError, IndexError, RecursionError, MemoryError, OverflowError) as exc:
+                # what validation did not foresee: this checkpoint is unusable, and every rank
+                # must still reach the vote below (a rank that raised here would leave the
+                # others waiting in the collective)
+                failure = CheckpointCorruptError(f"step {step} cannot be loaded: {type(exc).__name__}: {exc}")
             # 0: loaded, 1: this checkpoint is unusable here, 2: the state was refused
             verdict = coord.agree_max(2 if refused else 1 if failure else 0)
             if verdict == 2:
@@ -660,7 +676,7 @@ class Checkpointer:
                 log.warning(
                     "resilient: skipping checkpoint %s: %s", where, failure or "another rank could not load it"
                 )
-                if loaded_here and isinstance(failure, CheckpointCorruptError):
+                if proven_bad:
                     self._mark_bad(step, str(failure), remote_too=step in refetched)
                 self._bad_steps.add(step)
                 ceiling = step

@@ -20,6 +20,7 @@ Version 1 layout (``docs/format.md`` has the prose)::
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -95,12 +96,26 @@ def _ints(value: Any, where: str, field: str, *, length: int | None = None) -> l
     return value
 
 
+MAX_CHUNK_BYTES = 1 << 30  # a chunk's logical length; the writer uses 16 MiB
+MAX_TREE_DEPTH = 512
+_CODEC_IDS = (0, 1)  # raw, zstd (see _chunkio)
+_NODE_KINDS = ("dict", "list", "tuple", "tensor", "v", "obj", "per_rank")
+
+
 def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
-    """Parse and validate a manifest; ``where`` names it in errors."""
+    """Parse and validate a manifest; ``where`` names it in errors.
+
+    Every field is checked against the format and against the others, so that whatever a
+    damaged or hostile manifest says, using it cannot raise anything but
+    ``CheckpointCorruptError`` nor make anyone allocate more than the data files hold: chunk
+    tables cover each file exactly, tensor pieces lie inside their file's logical bytes and
+    add up to the tensor's size, trees are shallow and name only tensors that exist.
+    (Files' real sizes are compared with ``bytes`` where they are opened.)
+    """
     try:
         manifest = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where}: not a resilient checkpoint manifest")
     if manifest.get("version") != VERSION:
@@ -109,42 +124,119 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
             f"(this resilient reads version {VERSION})"
         )
     for field, kind in (("step", int), ("world_size", int), ("files", dict), ("tensors", dict), ("ranks", list)):
-        if not isinstance(manifest.get(field), kind):
+        if not isinstance(manifest.get(field), kind) or isinstance(manifest.get(field), bool):
             _fail(where, field, f"must be of type {kind.__name__}")
+    if manifest["step"] < 0 or manifest["world_size"] < 1:
+        _fail(where, "step", "and world_size must be >= 0 and >= 1")
     if len(manifest["ranks"]) != manifest["world_size"]:
         _fail(where, "ranks", "must have one entry per rank")
-    for fname, record in manifest["files"].items():
-        if "/" in fname or fname.startswith(".") or not isinstance(record, dict):
-            _fail(where, f"files[{fname!r}]", "is not a plain file name with a record")
-        chunks = record.get("chunks")
-        if not isinstance(chunks, list):
-            _fail(where, f"files[{fname!r}].chunks", "must be a list")
-        for chunk in chunks:
-            _ints(chunk, where, f"files[{fname!r}].chunks[]", length=6)
+    logical_sizes = {fname: _check_file(fname, record, where) for fname, record in manifest["files"].items()}
     for name, meta in manifest["tensors"].items():
-        tw = f"tensors[{name!r}]"
-        if not isinstance(meta, dict):
-            _fail(where, tw, "must be an object")
-        dtype_from_name(meta.get("dtype"))
-        shape = _ints(meta.get("shape"), where, f"{tw}.shape")
-        if meta.get("layout") not in ("replicated", "sharded"):
-            _fail(where, f"{tw}.layout", "must be 'replicated' or 'sharded'")
-        boxes = meta.get("boxes")
-        if not isinstance(boxes, list):
-            _fail(where, f"{tw}.boxes", "must be a list")
-        for box in boxes:
-            if not isinstance(box, dict) or not isinstance(box.get("pieces"), list):
-                _fail(where, f"{tw}.boxes[]", "must be an object with pieces")
-            offsets = _ints(box.get("offsets"), where, f"{tw}.boxes[].offsets", length=len(shape))
-            sizes = _ints(box.get("sizes"), where, f"{tw}.boxes[].sizes", length=len(shape))
-            if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
-                _fail(where, f"{tw}.boxes[]", "lies outside the tensor's shape")
-            for piece in box["pieces"]:
-                if (
-                    not isinstance(piece, list)
-                    or len(piece) != 3
-                    or piece[0] not in manifest["files"]
-                ):
-                    _fail(where, f"{tw}.boxes[].pieces[]", "must be [known file, offset, nbytes]")
-                _ints(piece[1:], where, f"{tw}.boxes[].pieces[]")
+        _check_tensor(name, meta, logical_sizes, where)
+    for rank, record in enumerate(manifest["ranks"]):
+        if not isinstance(record, dict) or not isinstance(record.get("tree"), dict):
+            _fail(where, f"ranks[{rank}]", "must be an object with a tree")
+        if record["tree"].get("t") != "dict":
+            _fail(where, f"ranks[{rank}].tree", "must be a dict node")
+        _check_tree(record["tree"], manifest["tensors"], where, f"ranks[{rank}].tree")
+        if record.get("rng") is not None and not isinstance(record["rng"], dict):
+            _fail(where, f"ranks[{rank}].rng", "must be an object or null")
     return manifest
+
+
+def _check_file(fname: str, record: Any, where: str) -> int:
+    """Validate one file record; return the file's logical size (what its chunks decode to)."""
+    fw = f"files[{fname!r}]"
+    if not isinstance(fname, str) or "/" in fname or fname.startswith(".") or not isinstance(record, dict):
+        _fail(where, fw, "is not a plain file name with a record")
+    size = record.get("bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        _fail(where, f"{fw}.bytes", "must be a non-negative integer")
+    chunks = record.get("chunks")
+    if not isinstance(chunks, list):
+        _fail(where, f"{fw}.chunks", "must be a list")
+    logical = stored = 0
+    for i, chunk in enumerate(chunks):
+        off, length, soff, slen, crc, codec = _ints(chunk, where, f"{fw}.chunks[{i}]", length=6)
+        if off != logical or soff != stored:
+            _fail(where, f"{fw}.chunks[{i}]", f"must start where the previous chunk ended ({logical}, {stored})")
+        if codec not in _CODEC_IDS or crc > 0xFFFFFFFF or length > MAX_CHUNK_BYTES:
+            _fail(where, f"{fw}.chunks[{i}]", "has an unknown codec, a bad CRC or a length over 1 GiB")
+        if codec == 0 and slen != length:
+            _fail(where, f"{fw}.chunks[{i}]", "is raw but its stored and logical lengths differ")
+        logical, stored = logical + length, stored + slen
+    if stored != size:
+        _fail(where, f"{fw}.chunks", f"cover {stored} of the file's {size} bytes")
+    return logical
+
+
+def _check_tensor(name: str, meta: Any, logical_sizes: dict[str, int], where: str) -> None:
+    tw = f"tensors[{name!r}]"
+    if not isinstance(meta, dict):
+        _fail(where, tw, "must be an object")
+    if not isinstance(meta.get("dtype"), str):
+        _fail(where, f"{tw}.dtype", "must be a string")
+    itemsize = dtype_from_name(meta["dtype"]).itemsize
+    shape = _ints(meta.get("shape"), where, f"{tw}.shape")
+    if meta.get("layout") not in ("replicated", "sharded"):
+        _fail(where, f"{tw}.layout", "must be 'replicated' or 'sharded'")
+    same_as = meta.get("same_as")
+    if same_as is not None and not isinstance(same_as, str):
+        _fail(where, f"{tw}.same_as", "must be a tensor name")
+    boxes = meta.get("boxes")
+    if not isinstance(boxes, list):
+        _fail(where, f"{tw}.boxes", "must be a list")
+    numel = math.prod(shape)
+    covered = 0
+    for box in boxes:
+        if not isinstance(box, dict) or not isinstance(box.get("pieces"), list):
+            _fail(where, f"{tw}.boxes[]", "must be an object with pieces")
+        offsets = _ints(box.get("offsets"), where, f"{tw}.boxes[].offsets", length=len(shape))
+        sizes = _ints(box.get("sizes"), where, f"{tw}.boxes[].sizes", length=len(shape))
+        if any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
+            _fail(where, f"{tw}.boxes[]", "lies outside the tensor's shape")
+        held = 0
+        for piece in box["pieces"]:
+            if not isinstance(piece, list) or len(piece) != 3 or piece[0] not in logical_sizes:
+                _fail(where, f"{tw}.boxes[].pieces[]", "must be [known file, offset, nbytes]")
+            offset, nbytes = _ints(piece[1:], where, f"{tw}.boxes[].pieces[]")
+            if offset + nbytes > logical_sizes[piece[0]]:
+                _fail(where, f"{tw}.boxes[].pieces[]", f"reads past the end of {piece[0]}")
+            held += nbytes
+        if held != math.prod(sizes) * itemsize:
+            _fail(where, f"{tw}.boxes[]", f"pieces hold {held} bytes, the box needs {math.prod(sizes) * itemsize}")
+        covered += math.prod(sizes)
+    if covered != numel:
+        _fail(where, f"{tw}.boxes", f"cover {covered} of the tensor's {numel} elements")
+
+
+def _check_tree(root: dict[str, Any], tensors: dict[str, Any], where: str, field: str) -> None:
+    """Every node well formed, at most MAX_TREE_DEPTH deep, tensors named in the manifest."""
+    stack = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            _fail(where, field, f"nests deeper than {MAX_TREE_DEPTH} levels")
+        kind = node.get("t") if isinstance(node, dict) else None
+        if kind not in _NODE_KINDS:
+            _fail(where, field, f"has a node of unknown type {kind!r}")
+        if kind == "tensor":
+            if not isinstance(node.get("name"), str) or node["name"] not in tensors:
+                _fail(where, field, f"names a tensor the manifest lacks: {str(node.get('name'))[:100]!r}")
+        elif kind == "v":
+            if "v" not in node or not isinstance(node["v"], (type(None), bool, int, float, str)):
+                _fail(where, field, "has a value that is not a JSON scalar")
+        elif kind in ("obj", "per_rank"):
+            stack.append((node.get("sd"), depth + 1))
+        else:
+            items = node.get("items")
+            if not isinstance(items, list):
+                _fail(where, field, f"has a {kind} node without items")
+            for item in items:
+                if kind != "dict":
+                    stack.append((item, depth + 1))
+                    continue
+                if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], (str, int))
+                        or isinstance(item[0], bool)):
+                    _fail(where, field, "has a dict item that is not [str or int key, node]")
+                stack.append((item[1], depth + 1))

@@ -43,6 +43,11 @@ class _Reader:
     """Turns 'these bytes of this saved box' into chunk read tasks across files."""
 
     def __init__(self, step_dir: str, manifest: dict[str, Any]) -> None:
+        for name, record in manifest["files"].items():  # the manifest's sizes against the real ones
+            size = os.path.getsize(os.path.join(step_dir, name))
+            if size != record["bytes"]:
+                raise CheckpointCorruptError(f"{os.path.join(step_dir, name)}: {size} bytes, the manifest says "
+                                             f"{record['bytes']}")
         self.files = {
             name: ChunkedFile(os.path.join(step_dir, name), record)
             for name, record in manifest["files"].items()

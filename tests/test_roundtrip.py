@@ -169,12 +169,14 @@ def test_save_returns_before_commit_and_commits_by_itself(root):
     assert target["big"].abs().sum() > 0
 
 
-def test_abandoned_pending_saves_are_cleaned_at_start(root):
+def test_abandoned_pending_saves_are_cleaned_before_the_next_job_writes(root):
     with Checkpointer(root) as ckpt:
         ckpt.save(1, {"x": torch.ones(2)})
     junk = os.path.join(root, ".pending", "deadbeef-00000007")
     os.makedirs(junk)
     open(os.path.join(junk, "rank-00000.data"), "wb").write(b"partial")
     with Checkpointer(root) as ckpt:
+        assert ckpt.latest() == 1  # reading touches nothing (another job may be writing)
+        assert os.path.exists(junk)
+        ckpt.save(2, {"x": torch.ones(2)})  # writing claims the root, then cleans it
         assert not os.path.exists(junk)
-        assert ckpt.latest() == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -64,6 +65,12 @@ class ResilientAgent(LocalElasticAgent):
         if isinstance(handler, EtcdV3RendezvousHandler):
             handler.close_on_shutdown = not result.is_failed()
         return result
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Before a restart the gang is broken: SIGKILL, as SIGTERM's default action did. A
+        worker handles SIGTERM as a preemption (save the step in progress), which a worker
+        blocked in a collective with a dead peer would never reach."""
+        self._shutdown(death_sig=signal.SIGKILL)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)

@@ -1,0 +1,71 @@
+"""Crafted or damaged manifests: restore loads the older step instead, every CLI command
+exits 1 with one line naming the step, nothing allocates what the manifest merely claims."""
+
+import json
+import os
+import resource
+import pytest
+import torch
+
+from resilient import Checkpointer
+from resilient.ckpt import main as ckpt_main
+
+MANIFEST = os.path.join("step-0000000002", "manifest.json")
+
+
+def _mutations() -> dict:
+    """The damage, by name, each applied to a good manifest of step 2."""
+
+    def deep(m):  # the entry becomes 200,000 nested lists
+        m["ranks"][0]["tree"]["items"][0][1] = "__DEEP__"
+        return '{"t":"list","items":[' * 200_000 + '{"t":"v","v":1}' + "]}" * 200_000
+
+    return {
+        "dtype_is_a_list": lambda m: m["tensors"]["w"].__setitem__("dtype", ["float32"]),
+        "missing_shape": lambda m: m["tensors"]["w"].pop("shape"),
+        "missing_files": lambda m: m.pop("files"),
+        "chunk_length_2_40": lambda m: m["files"]["rank-00000.data"]["chunks"][0].__setitem__(1, 2**40),
+        "empty_chunk_table": lambda m: m["files"]["rank-00000.data"].__setitem__("chunks", []),
+        "shape_2_42_elements": lambda m: m["tensors"]["w"].__setitem__("shape", [2**21, 2**21]),
+        "tree_names_unknown_tensor": lambda m: m["ranks"][0]["tree"]["items"][0][1].__setitem__("name", "nope"),
+        "deep_tree": deep,
+    }
+
+
+def _write_damaged(root: str, name: str) -> None:
+    path = os.path.join(root, MANIFEST)
+    with open(path) as f:
+        m = json.load(f)
+    result = _mutations()[name](m)
+    raw = json.dumps(m)
+    if name == "deep_tree":
+        raw = raw.replace('"__DEEP__"', result)
+    with open(path, "w") as f:
+        f.write(raw)
+
+
+@pytest.fixture
+def damaged(tmp_path, request):
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(1, {"w": torch.full((256,), 1.0)})
+        ckpt.save(2, {"w": torch.full((256,), 2.0)})
+    _write_damaged(root, request.param)
+    return root
+
+
+@pytest.mark.parametrize("damaged", list(_mutations()), indirect=True)
+def test_restore_falls_back_and_the_cli_names_the_step(damaged, caplog, capsys):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    target = {"w": torch.zeros(256)}
+    with Checkpointer(damaged) as ckpt:
+        assert ckpt.restore(target) == 1
+    assert torch.equal(target["w"], torch.full((256,), 1.0))
+    assert "step-0000000002" in caplog.text
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB: < 200 MiB more
+    for argv in (["verify", damaged, "--step", "2"], ["verify", damaged, "--all"], ["show", damaged, "--step", "2"],
+                 ["export", damaged, os.path.join(damaged, "x.pt"), "--step", "2", "--format", "torch"]):
+        assert ckpt_main(argv) == 1, argv  # an error, not an exception
+        printed = capsys.readouterr()
+        assert "step-0000000002" in printed.err or "step 2" in printed.err, (argv, printed)
+    assert not os.path.exists(os.path.join(damaged, "x.pt"))
