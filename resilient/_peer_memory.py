@@ -11,14 +11,25 @@ Each process runs a small TCP server bound to the interface that reaches the gan
 server refuses a copy that would leave less than ``reserve_bytes`` of host memory
 available (peer copies are a cache: refusing one costs nothing but a slower restore).
 
-Wire format: a 4-byte big-endian header length, a JSON header, then ``length`` payload
-bytes. Requests: ``put`` (step, name, length + bytes), ``get`` (step, name), ``steps``.
+Wire format (one request per connection): the server sends a 16-byte nonce; the client
+answers with its own nonce and HMAC-SHA256(token, both nonces), and nothing else is read
+from a client that fails that check (constant-time compare). The server proves the token
+back the same way. Then each message is a 4-byte big-endian header length (at most 64 KiB),
+a JSON header, ``length`` payload bytes (capped: a ``put`` is refused before its payload is
+read when host memory is short), and an HMAC of all of it under the token and both nonces,
+so a message cannot be forged, altered or replayed on another connection. Sockets time out
+when idle; at most ``MAX_CONNECTIONS`` are served at once. Requests: ``put`` (step, name,
+bytes), ``get`` (step, name; files are streamed from disk), ``steps``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import os
+import secrets
 import socket
 import socketserver
 import struct
@@ -33,6 +44,12 @@ __all__ = ["PeerMemory", "available_memory", "interface_towards"]
 log = logging.getLogger("resilient")
 
 _HEADER = struct.Struct(">I")
+_NONCE, _MAC = 16, 32
+_MAX_HEADER = 64 << 10
+_MAX_PAYLOAD = 1 << 40  # a ceiling only; puts are admitted against available memory first
+_BLOCK = 4 << 20
+MAX_CONNECTIONS = 32  # served at once; more are closed at once
+IDLE_TIMEOUT = 10.0  # seconds a socket may sit without progress
 
 
 def available_memory() -> int | None:
@@ -47,7 +64,7 @@ def available_memory() -> int | None:
     return None
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -55,32 +72,110 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise ConnectionError("peer closed the connection")
         got += k
-    return bytes(buf)
+    return buf
 
 
-def _send(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
-    raw = json.dumps(header).encode()
-    sock.sendall(_HEADER.pack(len(raw)) + raw)
-    if payload:
-        sock.sendall(payload)
+class AuthError(ConnectionError):
+    """The other end does not hold the gang's token, or a message was altered."""
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    header = json.loads(_recv_exact(sock, size))
-    payload = _recv_exact(sock, int(header.get("length", 0))) if header.get("length") else b""
-    return header, payload
+class _Channel:
+    """One authenticated connection: nonces exchanged, then MAC'd messages both ways."""
+
+    def __init__(self, sock: socket.socket, token: str, client_nonce: bytes, server_nonce: bytes,
+                 client: bool) -> None:
+        self.sock, self._key = sock, token.encode()
+        self._context = client_nonce + server_nonce  # binds every MAC to this connection
+        self._send_label, self._recv_label = (b"c", b"s") if client else (b"s", b"c")
+
+    @classmethod
+    def accept(cls, sock: socket.socket, token: str) -> "_Channel":
+        """Server side: nothing but 48 bytes is read before the client proved the token."""
+        nonce = secrets.token_bytes(_NONCE)
+        sock.sendall(nonce)
+        proof = _recv_exact(sock, _NONCE + _MAC)
+        client_nonce = bytes(proof[:_NONCE])
+        want = hmac.new(token.encode(), b"hello-c" + nonce + client_nonce, hashlib.sha256).digest()
+        if not hmac.compare_digest(bytes(proof[_NONCE:]), want):
+            raise AuthError("client did not prove the token")
+        sock.sendall(hmac.new(token.encode(), b"hello-s" + client_nonce + nonce, hashlib.sha256).digest())
+        return cls(sock, token, client_nonce, nonce, client=False)
+
+    @classmethod
+    def connect(cls, sock: socket.socket, token: str) -> "_Channel":
+        server_nonce = bytes(_recv_exact(sock, _NONCE))
+        nonce = secrets.token_bytes(_NONCE)
+        sock.sendall(nonce + hmac.new(token.encode(), b"hello-c" + server_nonce + nonce, hashlib.sha256).digest())
+        want = hmac.new(token.encode(), b"hello-s" + nonce + server_nonce, hashlib.sha256).digest()
+        if not hmac.compare_digest(bytes(_recv_exact(sock, _MAC)), want):
+            raise AuthError("server did not prove the token")
+        return cls(sock, token, nonce, server_nonce, client=True)
+
+    def _mac(self, label: bytes) -> "hmac.HMAC":
+        return hmac.new(self._key, label + self._context, hashlib.sha256)
+
+    def send(self, header: dict[str, Any], payload: bytes | memoryview = b"", *, stream: str | None = None) -> None:
+        """Send one message; ``stream``: a file whose bytes are the payload, read in blocks."""
+        length = len(payload) if stream is None else os.path.getsize(stream)
+        raw = json.dumps({**header, "length": length}).encode()
+        mac = self._mac(self._send_label)
+        head = _HEADER.pack(len(raw)) + raw
+        mac.update(head)
+        self.sock.sendall(head)
+        if stream is None:
+            mac.update(payload)
+            if payload:
+                self.sock.sendall(payload)
+        else:
+            sent = 0
+            with open(stream, "rb") as f:
+                while block := f.read(_BLOCK):
+                    mac.update(block)
+                    self.sock.sendall(block)
+                    sent += len(block)
+            if sent != length:
+                raise OSError(f"{stream} changed while it was sent")
+        self.sock.sendall(mac.digest())
+
+    def recv(self, admit: Callable[[dict[str, Any]], None] = lambda header: None) -> tuple[dict[str, Any], bytes]:
+        """One message. ``admit(header)`` runs before the payload is read and raises to
+        refuse it (too big, memory short)."""
+        prefix = _recv_exact(self.sock, _HEADER.size)
+        (size,) = _HEADER.unpack(prefix)
+        if size > _MAX_HEADER:
+            raise AuthError(f"header of {size} bytes")
+        raw = _recv_exact(self.sock, size)
+        header = json.loads(raw)
+        length = header.get("length", 0) if isinstance(header, dict) else None
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= _MAX_PAYLOAD:
+            raise AuthError("malformed header")
+        admit(header)
+        payload = _recv_exact(self.sock, length)
+        mac = self._mac(self._recv_label)
+        mac.update(prefix)
+        mac.update(raw)
+        mac.update(payload)
+        if not hmac.compare_digest(bytes(_recv_exact(self.sock, _MAC)), mac.digest()):
+            raise AuthError("message failed its MAC")
+        del header["length"]  # framing, not content
+        return header, bytes(payload)
+
+
+class _Refused(Exception):
+    """A request refused before its payload was read (the reply says why)."""
 
 
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 64
 
 
 class PeerMemory:
     """This process's memory tier: a server holding peers' files, and a client of theirs."""
 
-    def __init__(self, token: str, host: str, *, keep: int = 2, reserve_bytes: int = 2 << 30) -> None:
+    def __init__(self, token: str, host: str, *, keep: int = 2, reserve_bytes: int = 2 << 30,
+                 idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.token, self.keep, self.reserve_bytes = token, keep, reserve_bytes
         self._files: dict[int, dict[str, bytes]] = {}   # step -> file name -> bytes (peers')
         self._own: dict[int, dict[str, str]] = {}       # step -> file name -> local path (ours)
@@ -93,14 +188,19 @@ class PeerMemory:
         self._sender_wake = threading.Event()
         self._closed = False
         memory = self
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                if not slots.acquire(blocking=False):
+                    return  # too many at once: closed without reading a byte
                 try:
-                    header, payload = _recv(self.request)
-                    _send(self.request, *memory._answer(header, payload))
-                except (ConnectionError, ValueError, OSError) as exc:
-                    log.debug("resilient: peer memory request failed: %s", exc)
+                    self.request.settimeout(idle_timeout)
+                    memory._serve(_Channel.accept(self.request, memory.token))
+                except (ConnectionError, ValueError, KeyError, TypeError, OSError) as exc:
+                    log.debug("resilient: peer memory request refused or failed: %s", exc)
+                finally:
+                    slots.release()
 
         self._server = _Server((host, 0), Handler)
         self.address = f"{host}:{self._server.server_address[1]}"
@@ -108,43 +208,57 @@ class PeerMemory:
         threading.Thread(target=self._send_loop, name="resilient-peer-copy", daemon=True).start()
 
     # -- server side ---------------------------------------------------------------------------
-    def _answer(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        if header.get("token") != self.token:
-            return {"ok": False, "error": "bad token"}, b""
+    def _serve(self, channel: _Channel) -> None:
+        """One authenticated request: read (a put is admitted before its bytes are), answer."""
+        try:
+            header, payload = channel.recv(admit=self._admit)
+        except _Refused as refused:
+            channel.send({"ok": False, "error": str(refused)})
+            return
         op = header.get("op")
         if op == "put":
-            return self._put(int(header["step"]), str(header["name"]), payload), b""
-        if op == "get":
-            data = self._lookup(int(header["step"]), str(header["name"]))
-            return ({"ok": True, "length": len(data)}, data) if data is not None else ({"ok": False}, b"")
-        if op == "steps":
+            channel.send(self._put(int(header["step"]), str(header["name"]), payload))
+        elif op == "get":
+            found = self._lookup(int(header["step"]), str(header["name"]))
+            if found is None:
+                channel.send({"ok": False})
+            elif isinstance(found, str):
+                channel.send({"ok": True}, stream=found)  # our own file: streamed, not loaded
+            else:
+                channel.send({"ok": True}, found)
+        elif op == "steps":
             with self._lock:
                 steps = {s for s, files in self._files.items() if MANIFEST in files}
                 steps |= {s for s, files in self._own.items() if MANIFEST in files}
-            return {"ok": True, "steps": sorted(steps)}, b""
-        return {"ok": False, "error": f"unknown op {op!r}"}, b""
+            channel.send({"ok": True, "steps": sorted(steps)})
+        else:
+            channel.send({"ok": False, "error": f"unknown op {str(op)[:40]!r}"})
 
-    def _lookup(self, step: int, name: str) -> bytes | None:
-        """A peer's copy from memory, or our own file of a recent step (page cache)."""
+    def _admit(self, header: dict[str, Any]) -> None:
+        """Before a put's bytes are read: refuse bad names and what memory cannot hold."""
+        if header.get("op") != "put":
+            if header.get("length"):
+                raise _Refused("only a put carries bytes")
+            return
+        name, length = str(header.get("name")), header["length"]
+        if "/" in name or name.startswith("."):
+            raise _Refused(f"bad file name {name[:80]!r}")
+        free = available_memory()
+        if free is not None and free - length < self.reserve_bytes:
+            log.warning("resilient: not keeping a peer copy of %s (step %s): %d MiB of host memory available",
+                        name, header.get("step"), free >> 20)
+            raise _Refused("memory is short")
+
+    def _lookup(self, step: int, name: str) -> bytes | str | None:
+        """A peer's copy from memory, or the path of our own file of a recent step."""
         with self._lock:
             data = self._files.get(step, {}).get(name)
             path = self._own.get(step, {}).get(name)
-        if data is None and path is not None:
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError:  # deleted by retention meanwhile
-                return None
+        if data is None and path is not None and os.path.exists(path):  # else deleted by retention
+            return path
         return data
 
     def _put(self, step: int, name: str, data: bytes) -> dict[str, Any]:
-        if "/" in name or name.startswith("."):
-            return {"ok": False, "error": f"bad file name {name!r}"}
-        free = available_memory()
-        if free is not None and free - len(data) < self.reserve_bytes:
-            log.warning("resilient: not keeping a peer copy of %s (step %d): %d MiB of host memory available",
-                        name, step, free >> 20)
-            return {"ok": False, "error": "memory is short"}
         with self._lock:
             self._files.setdefault(step, {})[name] = data
             for old in sorted(self._files)[:-self.keep]:
@@ -169,11 +283,15 @@ class PeerMemory:
         return self._peers_known
 
     def _request(self, address: str, header: dict[str, Any], payload: bytes = b"",
-                 timeout: float = 30.0) -> tuple[dict[str, Any], bytes]:
+                 timeout: float = 30.0, stream: str | None = None) -> tuple[dict[str, Any], bytes]:
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            _send(sock, {**header, "token": self.token, "length": len(payload)}, payload)
-            return _recv(sock)
+            channel = _Channel.connect(sock, self.token)
+            try:
+                channel.send(header, payload, stream=stream)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before our bytes were read: the answer, already sent, says why
+            return channel.recv()
 
     def replicate(self, step: int, files: dict[str, str]) -> None:
         """Serve ``files`` (name -> local path) of committed ``step`` to the gang, and send
@@ -201,9 +319,7 @@ class PeerMemory:
             step, files = job
             try:
                 for name, path in sorted(files.items(), key=lambda kv: kv[0] == MANIFEST):  # manifest last
-                    with open(path, "rb") as f:
-                        data = f.read()
-                    answer, _ = self._request(partner, {"op": "put", "step": step, "name": name}, data)
+                    answer, _ = self._request(partner, {"op": "put", "step": step, "name": name}, stream=path)
                     if not answer.get("ok"):
                         log.info("resilient: peer %s kept no copy of step %d: %s", partner, step, answer.get("error"))
                         break

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import time
 
 import pytest
 
@@ -58,33 +61,95 @@ def test_own_files_are_served_from_the_local_tier(tmp_path, pair):
     assert b.steps() == {3}
 
 
+def _put(client, server, step, name, data):
+    return client._request(server.address, {"op": "put", "step": step, "name": name}, data)[0]
+
+
 def test_only_the_newest_steps_are_kept(pair):
     a, b = pair
     for step in (1, 2, 3):
-        assert b._answer({"token": "tok", "op": "put", "step": step, "name": "f"}, b"d")[0]["ok"]
+        assert _put(a, b, step, "f", b"d")["ok"]
     assert sorted(b._files) == [2, 3]
 
 
 def test_a_wrong_token_or_a_path_in_the_name_is_refused(pair):
-    _, b = pair
-    assert b._answer({"token": "nope", "op": "get", "step": 1, "name": "f"}, b"")[0] == {"ok": False, "error": "bad token"}
-    header, _ = b._answer({"token": "tok", "op": "put", "step": 1, "name": "../etc/passwd"}, b"x")
-    assert not header["ok"] and "bad file name" in header["error"]
+    a, b = pair
+    assert _put(a, b, 1, "../etc/passwd", b"x") == {"ok": False, "error": "bad file name '../etc/passwd'"}
     intruder = PeerMemory("other", "127.0.0.1")
     try:
         intruder.set_peers([b.address], partner=None)
         assert intruder.fetch(1, ["f"]) == {}
+        with pytest.raises(ConnectionError):
+            _put(intruder, b, 1, "f", b"x")
+        assert 1 not in b._files
     finally:
         intruder.close()
 
 
-def test_a_copy_is_refused_when_host_memory_is_short():
+def test_a_copy_is_refused_when_host_memory_is_short(pair):
+    a, _ = pair
     short = PeerMemory("tok", "127.0.0.1", reserve_bytes=1 << 60)  # never enough
     try:
-        header, _ = short._answer({"token": "tok", "op": "put", "step": 1, "name": "f"}, b"x")
-        assert header == {"ok": False, "error": "memory is short"} and not short._files
+        assert _put(a, short, 1, "f", b"x" * 1000) == {"ok": False, "error": "memory is short"}
+        assert not short._files
     finally:
         short.close()
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_unauthenticated_connections_cost_nothing(pair, request):
+    """Claims of huge headers or payloads, garbage, idle sockets and floods: the server reads
+    at most 48 bytes from a client that cannot prove the token, allocates nothing it claims,
+    times idle sockets out, serves a bounded number at once, and still serves members."""
+    import resource
+
+    from resilient import _peer_memory
+
+    a, _ = pair
+    b = PeerMemory("tok", "127.0.0.1", reserve_bytes=0, idle_timeout=1.0)
+    request.addfinalizer(b.close)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for attack in (struct.pack(">I", 0xFFFFFFFF), b"\x00" * 48, b"x" * 4096, struct.pack(">I", 1 << 30) + b"{"):
+        sock = _connect(b.address)
+        sock.recv(16)  # the server's nonce
+        try:
+            sock.sendall(attack)
+        except OSError:
+            pass
+        assert _closed_by_server(sock), attack[:8]
+        sock.close()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+    flood = [_connect(b.address) for _ in range(_peer_memory.MAX_CONNECTIONS + 8)]
+    try:
+        time.sleep(0.5)
+        refused = 0
+        for sock in flood:
+            sock.settimeout(0.2)
+            try:
+                first = sock.recv(16)
+            except socket.timeout:
+                continue
+            refused += first == b""
+        assert refused >= 8  # beyond the bound: closed unread
+    finally:
+        for sock in flood:
+            sock.close()
+    assert _put(a, b, 6, "g", b"fine")["ok"]  # members are served once the flood is gone
 
 
 def test_a_malformed_store_address_names_the_variable():
