@@ -92,7 +92,11 @@ def _last_line(path: str) -> str:
 class EtcdServer:
     """One etcd member (loopback by default), started and restartable on demand."""
 
-    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", name: str = "m0") -> None:
+    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", name: str = "m0",
+                 tls: dict[str, str] | None = None) -> None:
+        """``tls``: {"cacert", "cert", "key"} makes the client port https and requires client
+        certificates signed by ``cacert`` (etcd's ``--client-cert-auth``)."""
+        self.tls = tls
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="resilient-etcd-")
         os.makedirs(self.data_dir, exist_ok=True)
         self.host = host
@@ -110,24 +114,36 @@ class EtcdServer:
     def peer(self) -> str:
         return f"{self.name}=http://{self.host}:{self.peer_port}"
 
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+
     def launch(self) -> None:
         """Start the process; :meth:`wait_healthy` (or :meth:`start`) waits for it to serve."""
-        url = f"http://{self.host}:{self.port}"
+        url = self.url
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
+        tls = [] if not self.tls else ["--cert-file", self.tls["cert"], "--key-file", self.tls["key"],
+                                       "--trusted-ca-file", self.tls["cacert"], "--client-cert-auth"]
         self.proc = subprocess.Popen(
             [etcd_binary(), "--data-dir", os.path.join(self.data_dir, "data"), "--name", self.name,
-             "--listen-client-urls", url, "--advertise-client-urls", url,
+             "--listen-client-urls", url, "--advertise-client-urls", url, *tls,
              "--listen-peer-urls", f"http://{self.host}:{self.peer_port}",
              "--initial-advertise-peer-urls", f"http://{self.host}:{self.peer_port}",
              "--initial-cluster", self.initial_cluster],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 20.0) -> None:
-        url = f"http://{self.host}:{self.port}/health"
+        url = f"{self.url}/health"
+        context = None
+        if self.tls:
+            import ssl
+
+            context = ssl.create_default_context(cafile=self.tls["cacert"])
+            context.load_cert_chain(self.tls["cert"], self.tls["key"])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(url, timeout=1) as reply:
+                with urllib.request.urlopen(url, timeout=1, context=context) as reply:
                     if b'"true"' in reply.read():
                         return
             except OSError:

@@ -25,13 +25,14 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import random
 import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import requests
@@ -49,6 +50,93 @@ class EtcdUnavailable(ConnectionError):
     """No configured etcd endpoint answered."""
 
 
+class EtcdSecurityError(PermissionError):
+    """TLS or authentication with etcd failed: a configuration error, not retried."""
+
+
+#: environment variables with the etcd user and its password (or a file holding it): never
+#: on a command line, where every user of the machine can read it
+USER_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV = "RESILIENT_ETCD_USER", "RESILIENT_ETCD_PASSWORD", "RESILIENT_ETCD_PASSWORD_FILE"
+#: ``--rdzv-conf`` keys for TLS (torch's etcd rendezvous uses the same names)
+TLS_KEYS = ("protocol", "cacert", "cert", "key")
+
+
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How to reach a production etcd: TLS (``cacert`` to verify the server, ``cert`` and
+    ``key`` to prove the client) and a user with a password (etcd's authentication)."""
+
+    protocol: str = "http"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_conf(cls, conf: dict[str, Any], env: Mapping[str, str] = os.environ) -> "EtcdSecurity":
+        """From ``--rdzv-conf`` keys (paths only) and the environment (credentials)."""
+        tls = {k: str(conf[k]) for k in TLS_KEYS if conf.get(k) not in (None, "")}
+        for name in ("cacert", "cert", "key"):
+            if name in tls and not os.path.isfile(tls[name]):
+                raise EtcdSecurityError(f"--rdzv-conf {name}={tls[name]}: no such file")
+        if ("cert" in tls) != ("key" in tls):
+            raise EtcdSecurityError("--rdzv-conf needs both cert= and key= (the client certificate and its key)")
+        protocol = tls.pop("protocol", "https" if tls else "http")
+        if protocol not in ("http", "https"):
+            raise EtcdSecurityError(f"--rdzv-conf protocol={protocol}: expected http or https")
+        password = env.get(PASSWORD_ENV)
+        if password is None and env.get(PASSWORD_FILE_ENV):
+            with open(env[PASSWORD_FILE_ENV]) as f:
+                password = f.read().strip()
+        user = env.get(USER_ENV) or None
+        if (user is None) != (password is None):
+            raise EtcdSecurityError(f"set both {USER_ENV} and {PASSWORD_ENV} (or {PASSWORD_FILE_ENV}), or neither")
+        return cls(protocol, tls.get("cacert"), tls.get("cert"), tls.get("key"), user, password)
+
+    def to_conf(self) -> dict[str, str]:
+        """What workers need to reach etcd the same way: paths, never the password (they
+        inherit the environment it came from)."""
+        return {k: v for k, v in (("protocol", self.protocol), ("cacert", self.cacert), ("cert", self.cert),
+                                  ("key", self.key)) if v}
+
+    def session(self) -> requests.Session:
+        session = _PinnedSession()
+        if self.cacert:
+            session.verify = self.cacert
+        if self.cert and self.key:
+            session.cert = (self.cert, self.key)
+        return session
+
+
+class _PinnedSession(requests.Session):
+    """A session whose CA file and client certificate win over the environment: requests
+    lets ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` (often set machine-wide) replace a
+    session's ``verify``, and etcd's private CA would then fail verification."""
+
+    def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
+        settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+        if self.verify is not True:
+            settings["verify"] = self.verify
+        if self.cert:
+            settings["cert"] = self.cert
+        return settings
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    """The TLS error behind a failed request, if that is what it was: etcd3gw wraps the
+    requests error, so the SSL reason sits in the exception's chain, not its text."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        text = str(seen)
+        if any(mark in text for mark in ("SSL", "CERTIFICATE", "certificate", "TLS")):
+            return text
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _b64(data: str | bytes) -> str:
     raw = data.encode() if isinstance(data, str) else data
     return base64.b64encode(raw).decode("ascii")
@@ -64,13 +152,13 @@ def prefix_end(prefix: str) -> str:
     return (raw[:-1] + bytes([raw[-1] + 1])).decode()
 
 
-def parse_endpoints(spec: str) -> list[tuple[str, str, int]]:
-    """``"h1:2379,http://h2:2379"`` → [(protocol, host, port), ...]; port defaults to 2379."""
+def parse_endpoints(spec: str, default_protocol: str = "http") -> list[tuple[str, str, int]]:
+    """``"h1:2379,https://h2:2379"`` → [(protocol, host, port), ...]; port defaults to 2379."""
     endpoints = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             continue
-        protocol = "http"
+        protocol = default_protocol
         if "://" in item:
             protocol, item = item.split("://", 1)
         host, _, port = item.rstrip("/").rpartition(":")
@@ -105,11 +193,14 @@ def _kv(raw: dict[str, Any]) -> KeyValue:
 class Etcd:
     """The operations the rendezvous uses, with endpoint failover."""
 
-    def __init__(self, endpoints: str, *, timeout: float = 5.0) -> None:
+    def __init__(self, endpoints: str, *, timeout: float = 5.0, security: EtcdSecurity | None = None) -> None:
         self.spec = endpoints
         self.timeout = timeout
-        self._endpoints = parse_endpoints(endpoints)
-        self._clients = [Etcd3Client(host=h, port=p, protocol=proto, timeout=timeout, api_path="/v3/")
+        self.security = security or EtcdSecurity()
+        self._endpoints = parse_endpoints(endpoints, self.security.protocol)
+        self._session = self.security.session()  # TLS files and the auth token, shared by every call
+        self._clients = [Etcd3Client(host=h, port=p, protocol=proto, timeout=timeout, api_path="/v3/",
+                                     session=self._session)
                          for proto, h, p in self._endpoints]
         # a large gang spreads its requests over the members instead of all loading the first
         self._current = random.randrange(len(self._clients))
@@ -129,7 +220,40 @@ class Etcd:
             self.stats[f"{path} requests"] += requests
             self.stats[f"{path} bytes"] += nbytes
 
-    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def new_session(self) -> requests.Session:
+        """A session for a long-lived stream (a watch): the same TLS files and token."""
+        session = self.security.session()
+        session.headers.update(self._session.headers)
+        return session
+
+    def authenticate(self) -> None:
+        """Get (or renew) the auth token etcd checks on every request; no-op without a user."""
+        if self.security.user is None:
+            return
+        self._session.headers.pop("Authorization", None)
+        try:
+            reply = self._call("/auth/authenticate", {"name": self.security.user, "password": self.security.password},
+                               authenticate=False)
+        except Etcd3Exception as exc:
+            raise EtcdSecurityError(f"etcd at {self.spec} refused user {self.security.user!r}: "
+                                    f"{getattr(exc, 'detail_text', exc)}") from None
+        self._session.headers["Authorization"] = reply["token"]
+
+    def _call(self, path: str, body: dict[str, Any], *, authenticate: bool = True) -> dict[str, Any]:
+        try:
+            return self._call_once(path, body)
+        except Etcd3Exception as exc:
+            detail = str(getattr(exc, "detail_text", "")) + str(exc)
+            if not authenticate or not any(m in detail for m in ("invalid auth token", "user name is empty",
+                                                                   "permission denied", "Unauthenticated")):
+                raise
+            if self.security.user is None:
+                raise EtcdSecurityError(f"etcd at {self.spec} requires authentication: set {USER_ENV} and "
+                                        f"{PASSWORD_ENV} (or {PASSWORD_FILE_ENV})") from None
+            self.authenticate()  # an expired token: renew it once, then try again
+            return self._call_once(path, body)
+
+    def _call_once(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         last: BaseException | None = None
         for attempt in range(len(self._clients)):
             with self._lock:
@@ -138,6 +262,12 @@ class Etcd:
             try:
                 result = client.post(client.get_url(path), json=body)
             except UNREACHABLE as exc:
+                reason = _tls_failure(exc)
+                if reason:
+                    raise EtcdSecurityError(
+                        f"TLS with etcd at {client.base_url} failed ({reason[-300:]}); check --rdzv-conf "
+                        "cacert= (the CA that signed etcd's certificate), cert= and key= (this client's)"
+                    ) from None
                 last = exc
                 continue
             with self._lock:
@@ -345,10 +475,9 @@ class _Watch:
         return self.etcd.range(self.key, prefix=self._range_end is not None, keys_only=keys_only)
 
     def _loop(self) -> None:
-        session = requests.Session()
         while not self._stop.is_set():
             try:
-                self._stream(session, self._resume())
+                self._stream(self.etcd.new_session(), self._resume())  # the current auth token each time
             except Exception as exc:  # noqa: BLE001 - any break means: resume the stream
                 if not self._stop.is_set():
                     log.debug("etcd watch on %s broke (%s); resuming", self.key, exc)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from .._errors import ResilientError
-from ._etcd import Etcd, EtcdUnavailable, exists, same_revision
+from ._etcd import Etcd, EtcdSecurity, EtcdUnavailable, exists, same_revision
 
 #: Set by the rendezvous in the agent's environment, which every worker inherits.
 GANG_ENV = "RESILIENT_GANG"
@@ -44,7 +44,9 @@ class Gang:
     @classmethod
     def from_info(cls, info: dict) -> "Gang":
         """From what the rendezvous handed the workers (``RESILIENT_GANG``'s content)."""
-        return cls(Etcd(info["endpoints"], timeout=5.0), info["prefix"], int(info["round"]),
+        etcd = Etcd(info["endpoints"], timeout=5.0, security=EtcdSecurity.from_conf(info.get("tls", {})))
+        etcd.authenticate()  # credentials: the environment inherited from the agent
+        return cls(etcd, info["prefix"], int(info["round"]),
                    int(info["revision"]), info["node"], float(info["lease_ttl"]))
 
     def authorize_commit(self, step: int) -> None:

@@ -57,7 +57,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from .._events import EventLog
 from .._metrics import mark_agent
-from ._etcd import Changes, DeletionWatch, Etcd, KeyValue, LeaseKeeper, PrefixMirror, exists, same_revision
+from ._etcd import (TLS_KEYS, Changes, DeletionWatch, Etcd, EtcdSecurity, EtcdSecurityError, KeyValue, LeaseKeeper,
+                    PrefixMirror, exists, same_revision)
 from .gang import GANG_ENV
 
 log = logging.getLogger(__name__)
@@ -324,6 +325,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 if self._keeper is None or self._keeper.lost.is_set():
                     self._register()
                 info = self._advance() if self._state.listed.is_set() else None
+            except EtcdSecurityError:  # TLS or credentials: retrying cannot fix a configuration
+                raise
             except OSError as exc:   # etcd unreachable for now: wait and try again
                 log.warning("rendezvous for %s: %s; retrying", self.run_id, exc)
                 time.sleep(0.5)
@@ -435,7 +438,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                          members=state.members, reform_s=round(time.monotonic() - since, 6))
         self.last_change, self._detected_at = "", None
         #: what this node's workers get as their gang (``RESILIENT_GANG``): their commit fence
-        self.gang_info = {"endpoints": self.etcd.spec, "prefix": self.prefix, "round": state.number,
+        self.gang_info = {"endpoints": self.etcd.spec, "tls": self.etcd.security.to_conf(),
+                          "prefix": self.prefix, "round": state.number,
                           "revision": revision, "node": self.node, "members": state.members,
                           "lease_ttl": self.conf["lease_ttl"]}
         os.environ[GANG_ENV] = json.dumps(self.gang_info)
@@ -485,8 +489,9 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     if not params.endpoint:
         raise ValueError("the etcd-v3 rendezvous needs --rdzv-endpoint=HOST:PORT of etcd")
     timeouts = {key: params.config[key] for key in list(params.config)
-                if key not in ("local_addr", "timeout")}
-    etcd = Etcd(params.endpoint)
+                if key not in ("local_addr", "timeout", *TLS_KEYS)}
+    etcd = Etcd(params.endpoint, security=EtcdSecurity.from_conf(dict(params.config)))
+    etcd.authenticate()
     return EtcdV3RendezvousHandler(etcd, params.run_id, params.min_nodes, params.max_nodes,
                                    local_addr=params.local_addr, **timeouts)
 
