@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 ROUND_TIMEOUT_S = 180.0
+SIM_SECRET = "the simulated job's secret"  # seals the regroup store, as the agent's round secret does
 #: Set once the benchmark runs in a network namespace of its own with only loopback up.
 #: Why: torch's TCPStore client looks up the reverse name of every address it connects to,
 #: and this sandbox's resolver drops some queries (a 5 s stall, 1 connection in ~25, seen with
@@ -207,7 +208,8 @@ def serve_regroup(conn: Any, spec: Spec) -> None:
             return
         try:
             if key not in ranks:
-                ranks[key] = Regroup(spec.endpoint, node=f"node{key[0]}", rank=key[0] * per_node + key[1],
+                ranks[key] = Regroup(spec.endpoint, secret=SIM_SECRET, node=f"node{key[0]}",
+                                     rank=key[0] * per_node + key[1],
                                      initial_world_size=spec.total * per_node, heartbeat=False,
                                      member_id=f"node{key[0]}-rank{key[1]}", stale_s=1.0, timeout=ROUND_TIMEOUT_S)
             gen = gens[key] = ranks[key].form(gens.get(key))
@@ -224,7 +226,7 @@ def serve_regroup(conn: Any, spec: Spec) -> None:
 
     try:
         for n in spec.indices:
-            agents[n] = InProcessRecovery(spec.endpoint, None, f"node{n}")
+            agents[n] = InProcessRecovery(spec.endpoint, None, f"node{n}", secret=SIM_SECRET)
     except Exception as exc:  # noqa: BLE001
         conn.send(("error", f"creating node {len(agents)} of {len(spec.indices)} in one process: "
                             f"{type(exc).__name__}: {exc}"))

@@ -409,6 +409,9 @@ class Checkpointer:
         """Send this rank's file of ``step`` (and the manifest) to a peer's memory."""
         sdir = self._tier.step_dir(step)
         files = {name: os.path.join(sdir, name) for name in (data_file_name(self.rank), MANIFEST)}
+        if self._coord.rank == 0 and os.path.exists(files[MANIFEST]):
+            with open(files[MANIFEST], "rb") as f:
+                self._memory.record_manifest(step, f.read())
         self._memory.replicate(step, {n: p for n, p in files.items() if os.path.exists(p)})
 
     def _on_uploaded(self, step: int, seconds: float | None) -> None:
@@ -524,6 +527,7 @@ class Checkpointer:
             raw = self._memory.fetch(step, [MANIFEST]).get(MANIFEST)
             if raw is None:
                 return False
+            self._memory.check_manifest(step, raw, f"peer memory: {sdir}/{MANIFEST}")
             manifest = decode_manifest(raw, f"peer memory: {sdir}/{MANIFEST}")
         storage = self._local_storage
         missing = [name for name, record in manifest["files"].items()

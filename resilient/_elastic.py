@@ -42,7 +42,8 @@ from ._checkpointer import Checkpointer
 from ._errors import GangChange, ResilientError, StateError, UnsupportedStateError
 from ._events import EventLog
 from ._peer_memory import PeerMemory, interface_towards
-from ._regroup import AGENT_HEARTBEAT_ENV, ENV, NODE_ENV, Generation, Regroup, RegroupError, parse_address
+from ._regroup import (AGENT_HEARTBEAT_ENV, ENV, NODE_ENV, Generation, Regroup, RegroupError, parse_address,
+                       peer_token, secret_from_env)
 from ._watchdog import HANG_EXIT_CODE
 
 __all__ = ["elastic", "PeerFailure", "HangError"]
@@ -191,10 +192,11 @@ class ElasticRuntime:
             return result
 
     def _run_in_process(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        host, port, token = parse_address(os.environ[ENV])
-        memory = PeerMemory(token, interface_towards(host, port)) if self.peer_copies else None
+        address, secret = os.environ[ENV], secret_from_env()
+        host, port, _ = parse_address(address)
+        memory = PeerMemory(peer_token(address, secret), interface_towards(host, port)) if self.peer_copies else None
         node = os.environ.get(NODE_ENV) or f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
-        group = Regroup(os.environ[ENV], node=node,
+        group = Regroup(address, secret=secret, node=node,
                         rank=int(os.environ.get("RANK", "0")),
                         initial_world_size=int(os.environ.get("WORLD_SIZE", "1")),
                         memory_address=memory.address if memory else "",
@@ -202,6 +204,8 @@ class ElasticRuntime:
                         # one heartbeat per node: the agent's, else the node's first worker's
                         heartbeat=os.environ.get(AGENT_HEARTBEAT_ENV) != "1"
                         and os.environ.get("LOCAL_RANK", "0") == "0")
+        if memory is not None:
+            memory.ledger = group  # committed manifests' digests, sealed in the regroup store
         try:
             gen = group.form(None)
             while gen is not None:

@@ -35,8 +35,9 @@ import socketserver
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+from ._errors import CheckpointCorruptError
 from ._format import MANIFEST
 
 __all__ = ["PeerMemory", "available_memory", "interface_towards"]
@@ -171,8 +172,20 @@ class _Server(socketserver.ThreadingTCPServer):
     request_queue_size = 64
 
 
+class ManifestLedger(Protocol):
+    """Where the digest of each committed manifest is kept, out of the peers' reach (the
+    sealed regroup store): a peer's copy of a manifest is accepted only if it matches."""
+
+    def record_manifest(self, step: int, digest: str) -> None: ...
+
+    def manifest_digest(self, step: int) -> str | None: ...
+
+
 class PeerMemory:
     """This process's memory tier: a server holding peers' files, and a client of theirs."""
+
+    #: see ManifestLedger; without one, no manifest from a peer is accepted
+    ledger: ManifestLedger | None = None
 
     def __init__(self, token: str, host: str, *, keep: int = 2, reserve_bytes: int = 2 << 30,
                  idle_timeout: float = IDLE_TIMEOUT) -> None:
@@ -353,6 +366,28 @@ class PeerMemory:
             return {}
         with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
             return {name: data for name, data in pool.map(one, names) if data is not None}
+
+    def record_manifest(self, step: int, raw: bytes) -> None:
+        """Rank 0, after a commit: the digest a peer's copy of this manifest must match."""
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.record_manifest(step, hashlib.sha256(raw).hexdigest())
+        except Exception as exc:  # the store is gone: peers' copies of this step will be refused
+            log.warning("resilient: could not record step %d's manifest digest (%s); peers' copies of it "
+                        "will not be accepted", step, exc)
+
+    def check_manifest(self, step: int, raw: bytes, where: str) -> None:
+        """Accept a manifest fetched from a peer only if it is the one committed: checksums
+        that agree with the manifest they came with prove nothing when both come from the
+        same peer."""
+        expected = self.ledger.manifest_digest(step) if self.ledger is not None else None
+        if expected is None:
+            raise CheckpointCorruptError(f"{where}: no record of step {step}'s committed manifest to check a "
+                                         "peer's copy against: not accepted")
+        if not hmac.compare_digest(hashlib.sha256(raw).hexdigest(), expected):
+            raise CheckpointCorruptError(f"{where}: differs from the manifest committed for step {step}: "
+                                         "not accepted")
 
     def close(self) -> None:
         self._closed = True

@@ -29,7 +29,11 @@ there makes them agree), commit that step and re-form with the newcomer, which r
 it: growing loses no steps and costs the other steps nothing. If no checkpoint comes for
 ``NEWCOMER_PATIENCE_S``, the newcomer raises the *failed* flag instead.
 
-Keys (all under ``<token>/``): ``hb/<node>``, ``dead`` and ``dead/<id>`` (by agents),
+Every value is sealed (``_sealed``): written and read with an HMAC under the job's secret
+(``RESILIENT_REGROUP_SECRET``, handed to workers by their agent), in a namespace derived
+from it, so that whoever else reaches the store can neither name nor forge a key.
+
+Keys (all under the namespace): ``hb/<node>``, ``dead`` and ``dead/<id>`` (by agents),
 ``done`` (log) and ``done/<g>`` (count), ``arrivals/<g>``, ``joins/<g>``, ``members/<g>``,
 ``ready/<g>``, ``go/<g>``, ``latest``, ``failed/<g>``, ``joining/<g>``, ``notice/<g>``,
 ``finished``, ``elastic``.
@@ -50,13 +54,15 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ._errors import ResilientError
+from ._sealed import SealedStore, derive
 
 __all__ = ["Member", "Generation", "Regroup", "RegroupError", "parse_address", "raise_failed", "ENV", "NODE_ENV",
-           "AGENT_HEARTBEAT_ENV", "HEARTBEAT_S"]
+           "AGENT_HEARTBEAT_ENV", "HEARTBEAT_S", "SECRET_ENV", "connect", "peer_token", "secret_from_env"]
 
 log = logging.getLogger("resilient")
 
-ENV = "RESILIENT_REGROUP_STORE"  # host:port/token, set by resilient-run's agent
+ENV = "RESILIENT_REGROUP_STORE"  # host:port/round-id, set by resilient-run's agent
+SECRET_ENV = "RESILIENT_REGROUP_SECRET"  # the round's secret: never in the store, never in argv
 NODE_ENV = "RESILIENT_NODE_ID"   # the agent's name in the rendezvous: how workers name their node
 # set by resilient-run's agent, which heartbeats for its node: its workers then need not
 AGENT_HEARTBEAT_ENV = "RESILIENT_AGENT_HEARTBEAT"
@@ -136,9 +142,25 @@ def parse_address(value: str) -> tuple[str, int, str]:
         raise RegroupError(f"{ENV}={value!r} is not HOST:PORT/TOKEN") from None
 
 
-def _connect(host: str, port: int, timeout: float) -> dist.Store:
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
-                         wait_for_workers=False)
+def connect(address: str, secret: str, timeout: float) -> SealedStore:
+    """A sealed, counting client of the regroup store at ``address`` (``host:port/round``)."""
+    host, port, round_id = parse_address(address)
+    namespace = derive(secret, f"regroup-store:{round_id}")[:32]
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    return SealedStore(CountingStore(dist.PrefixStore(f"{namespace}/", client)), secret, namespace)
+
+
+def peer_token(address: str, secret: str) -> str:
+    """The peer-memory servers' shared token for this round (derived: not the secret)."""
+    return derive(secret, f"peer-memory:{parse_address(address)[2]}")
+
+
+def secret_from_env() -> str:
+    value = os.environ.get(SECRET_ENV, "")
+    if not value:
+        raise RegroupError(f"{ENV} is set but {SECRET_ENV} is not: the regroup store's values are sealed with "
+                           "the job's secret (resilient-run hands it to its workers)")
+    return value
 
 
 class CountingStore:
@@ -158,14 +180,10 @@ class CountingStore:
         return counted
 
 
-def _log_entries(raw: bytes) -> list[str]:
-    return [entry for entry in raw.decode().split("\n") if entry]
-
-
 class _Log:
     """An append-only store key read incrementally: each read parses only what is new."""
 
-    def __init__(self, store: Any, key: str) -> None:
+    def __init__(self, store: SealedStore, key: str) -> None:
         self.store, self.key = store, key
         self.entries: list[str] = []
         self._seen = 0
@@ -173,10 +191,8 @@ class _Log:
     def read(self) -> list[str]:
         if not self.store.check([self.key]):
             return self.entries
-        raw = self.store.get(self.key)
-        if len(raw) > self._seen:
-            self.entries += _log_entries(raw[self._seen:])
-            self._seen = len(raw)
+        new, self._seen = self.store.read_log(self.key, self._seen)
+        self.entries += new
         return self.entries
 
 
@@ -211,11 +227,13 @@ class _Progress:
 class Regroup:
     """One worker process's view of the gang: join generations, heartbeat, watch for failure."""
 
-    def __init__(self, address: str, *, node: str, rank: int, initial_world_size: int,
+    def __init__(self, address: str, *, secret: str, node: str, rank: int, initial_world_size: int,
                  memory_address: str = "", stale_s: float = 2.0, join_grace_s: float = 30.0,
                  timeout: float = 300.0, heartbeat: bool = True, member_id: str = "") -> None:
-        host, port, token = parse_address(address)
-        self.host = host
+        host, port, _ = parse_address(address)
+        self.host, self.address, self._secret = host, address, secret
+        self._ledger: SealedStore | None = None
+        self._ledger_lock = threading.Lock()
         # host:pid is what the agent marks dead; a simulation of many members in one process
         # names them itself
         self.me = member_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -225,8 +243,8 @@ class Regroup:
         self.stale_s, self.join_grace_s, self.timeout = stale_s, join_grace_s, timeout
         try:
             # two clients: the watcher blocks in waits that must not hold up the main thread
-            self._store = CountingStore(dist.PrefixStore(f"{token}/", _connect(host, port, 10.0)))
-            self._watch_store = CountingStore(dist.PrefixStore(f"{token}/", _connect(host, port, 10.0)))
+            self._store = connect(address, secret, 10.0)
+            self._watch_store = connect(address, secret, 10.0)
         except Exception as exc:
             raise RegroupError(f"cannot reach the regroup store at {host}:{port}: {exc}") from exc
         self._rank = rank
@@ -273,7 +291,7 @@ class Regroup:
     def _join(self, target: int, deadline: float, previous: Generation | None) -> Generation | None:
         me = Member(self.me, self.node, self._rank, self.memory_address)
         closer = self._store.add(f"arrivals/{target}", 1) == 1
-        self._store.append(f"joins/{target}", json.dumps(asdict(me)) + "\n")
+        self._store.append(f"joins/{target}", json.dumps(asdict(me)))
         if previous is None and target > 0:  # a replacement (or a retry): who ran before us?
             previous = self._generation(target - 1)
         newcomer = previous is not None and previous.rank < 0
@@ -438,7 +456,7 @@ class Regroup:
         """Every member is still alive to set up the process group (no 30-minute hang on one
         that died in between); False when one died. The last to arrive says go; the closer
         says stop when a member is marked dead or its node goes silent first."""
-        self._store.append(f"readylog/{gen.number}", self.me + "\n")
+        self._store.append(f"readylog/{gen.number}", self.me)
         if self._store.add(f"ready/{gen.number}", 1) == gen.world_size:
             self._store.compare_set(f"go/{gen.number}", "", "go")
             self._store.set("latest", str(gen.number))
@@ -465,7 +483,23 @@ class Regroup:
 
     def process_group_store(self, gen: Generation) -> dist.Store:
         """Where generation ``gen``'s process group meets (and the Checkpointer reports)."""
-        return dist.PrefixStore(f"pg/{gen.number}/", self._store.inner)
+        return dist.PrefixStore(f"pg/{gen.number}/", self._store.inner.inner)  # under the namespace
+
+    # -- the committed manifests (a peer's copy of one is accepted only if it matches) --------
+    def record_manifest(self, step: int, digest: str) -> None:
+        """Called by rank 0 after a commit (from the writer's thread: its own client)."""
+        with self._ledger_lock:
+            if self._ledger is None:
+                self._ledger = connect(self.address, self._secret, 10.0)
+            self._ledger.set(f"manifest/{step}", digest)
+
+    def manifest_digest(self, step: int) -> str | None:
+        """The SHA-256 of step ``step``'s committed manifest, as rank 0 recorded it."""
+        key = f"manifest/{step}"
+        with self._ledger_lock:
+            if self._ledger is None:
+                self._ledger = connect(self.address, self._secret, 10.0)
+            return self._ledger.get(key).decode() if self._ledger.check([key]) else None
 
     # -- while a generation runs -------------------------------------------------------------
     def watch(self, gen: Generation, on_failure: Callable[[str], None]) -> None:
@@ -485,7 +519,7 @@ class Regroup:
     def finish(self, gen: Generation) -> None:
         """This member returned normally; with everyone done, the job is finished."""
         self._watching = None
-        self._store.append("done", self.me + "\n")
+        self._store.append("done", self.me)
         if self._store.add(f"done/{gen.number}", 1) == gen.world_size:
             self._store.set("finished", "1")
 
@@ -540,7 +574,7 @@ def raise_failed(store: Any, number: int, reason: str) -> None:
 def mark_dead(store: Any, member_id: str) -> None:
     """Record a member's death where both a closer's log read and a single check find it."""
     store.set(f"dead/{member_id}", "1")
-    store.append("dead", member_id + "\n")
+    store.append("dead", member_id)
 
 
 def _decode_member(entry: str) -> Member:

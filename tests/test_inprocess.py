@@ -26,7 +26,7 @@ STEPS = 100
 
 def run_alone(root: str, events: str, env: dict[str, str] | None = None, steps: int = STEPS) -> None:
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})}
-    for name in ("WORLD_SIZE", "RANK", "RESILIENT_REGROUP_STORE"):
+    for name in ("WORLD_SIZE", "RANK", "RESILIENT_REGROUP_STORE", "RESILIENT_REGROUP_SECRET"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, TRAIN_IN_PROCESS, "--root", root, "--events", events,
                            "--steps", str(steps), "--step-time", "0.01"],
@@ -187,6 +187,7 @@ def test_without_an_agent_a_dead_member_is_found_by_its_silent_heartbeat(tmp_pat
     for rank in range(3):
         env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "3",
                "GROUP_RANK": str(rank), "RESILIENT_REGROUP_STORE": f"127.0.0.1:{store.port}/test",
+               "RESILIENT_REGROUP_SECRET": "a secret these three share",
                "RESILIENT_FAULT": "kill:rank=2,step=12", "RESILIENT_FAULT_DIR": str(tmp_path / "faults")}
         procs.append(subprocess.Popen([sys.executable, TRAIN_IN_PROCESS, "--root", str(tmp_path / f"node{rank}"),
                                        "--events", events, "--steps", str(STEPS), "--step-time", "0.01"],

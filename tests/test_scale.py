@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from resilient._regroup import Regroup
 from resilient.launch._etcd import Etcd
+from resilient._sealed import new_secret
 from resilient.launch._inprocess import InProcessRecovery
 from resilient.launch.gang import FencedError, Gang
 from resilient.launch.rendezvous import EtcdV3RendezvousHandler
@@ -157,7 +158,8 @@ def test_regroup_of_16_nodes_x_8_ranks_loses_a_node_with_constant_store_operatio
     nodes, per = 16, 8
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     address = f"127.0.0.1:{server.port}/scale"
-    agents = {n: InProcessRecovery(address, None, f"node{n}") for n in range(nodes)}  # node heartbeats
+    secret = new_secret()
+    agents = {n: InProcessRecovery(address, None, f"node{n}", secret=secret) for n in range(nodes)}  # heartbeats
     ranks: dict[tuple[int, int], Regroup] = {}
     gens: dict[tuple[int, int], object] = {}
     failures: dict[tuple[int, int], str] = {}
@@ -166,7 +168,7 @@ def test_regroup_of_16_nodes_x_8_ranks_loses_a_node_with_constant_store_operatio
     def form(key):
         try:
             if key not in ranks:
-                ranks[key] = Regroup(address, node=f"node{key[0]}", rank=key[0] * per + key[1],
+                ranks[key] = Regroup(address, secret=secret, node=f"node{key[0]}", rank=key[0] * per + key[1],
                                      initial_world_size=nodes * per, heartbeat=False, stale_s=1.0,
                                      member_id=f"node{key[0]}-rank{key[1]}", timeout=60)
             gens[key] = gen = ranks[key].form(gens.get(key))

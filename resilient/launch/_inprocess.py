@@ -2,8 +2,9 @@
 
 Per rendezvous round the rank-0 agent hosts a small TCPStore in which the round's worker
 processes re-form their gang without being restarted, and every agent learns its address
-through the round's rendezvous store. The address ends in a random token, so that workers
-of an earlier round never read this round's keys. Agents write into it what they know
+through the round's rendezvous store. The address ends in a random round id, so that workers
+of an earlier round never read this round's keys. Its values are sealed with a secret that
+does not travel through that store (see ``for_round``). Agents write into it what they know
 first (that one of their workers died, that a node was lost) and speak for their node's
 liveness: one heartbeat per node, not one per worker.
 """
@@ -16,20 +17,21 @@ import secrets
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.multiprocessing.api import RunProcsResult
 
 from .._peer_memory import interface_towards
-from .._regroup import HEARTBEAT_S, NODE_ENV, mark_dead, parse_address, raise_failed
+from .._regroup import HEARTBEAT_S, NODE_ENV, connect, mark_dead, raise_failed
+from .._sealed import JOB_SECRET_ENV, new_secret
 
 __all__ = ["InProcessRecovery", "NODE_ENV"]
 
 log = logging.getLogger(__name__)
 
 KEY = "resilient/regroup_store"
+UNGUARDED_SECRET_KEY = "resilient/regroup_secret"  # only without etcd and without a job secret
 PROBE_S = HEARTBEAT_S  # the probe is also the node's heartbeat
 
 
@@ -40,12 +42,12 @@ def _tcp_store(store: Store) -> Any:
 
 
 class InProcessRecovery:
-    def __init__(self, address: str, server: TCPStore | None, node: str = "") -> None:
+    def __init__(self, address: str, server: TCPStore | None, node: str = "", *, secret: str) -> None:
         self.address = address
+        self.secret = secret
         self.node = node
         self._server = server  # held by the rank-0 agent: the store lives as long as it does
-        host, port, token = parse_address(address)
-        self._store = PrefixStore(f"{token}/", self._client(host, port))
+        self._store = connect(address, secret, 5.0)
         self._marked: set[int] = set()
         # The agent's monitor loop asks ``active`` every 0.1 s and must never block on a
         # store that a partition made silent: a thread keeps the answer fresh instead.
@@ -53,13 +55,9 @@ class InProcessRecovery:
         self._last_ok = time.monotonic()
         self._broken = False  # the store's host is gone: in-process recovery is over this round
         self._closed = threading.Event()
-        self._prober = PrefixStore(f"{token}/", self._client(host, port))
+        self._prober = connect(address, secret, 5.0)
         self._probe_thread = threading.Thread(target=self._probe, name="resilient-regroup-probe", daemon=True)
         self._probe_thread.start()
-
-    @staticmethod
-    def _client(host: str, port: int) -> TCPStore:
-        return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5))
 
     def _probe(self) -> None:
         while not self._closed.wait(PROBE_S):
@@ -67,7 +65,7 @@ class InProcessRecovery:
                 return
             self._last_ok = time.monotonic()
 
-    def _answers(self, store: Store) -> bool:
+    def _answers(self, store: Any) -> bool:
         """Heartbeat for the node and ask the store (``elastic`` is set by the workers); False
         for good when it is gone."""
         try:
@@ -86,16 +84,32 @@ class InProcessRecovery:
         return not self._broken and self._answers(self._store)
 
     @classmethod
-    def for_round(cls, round_store: Store, group_rank: int, node: str = "") -> "InProcessRecovery":
-        """Host (rank 0) or look up this round's regroup store; heartbeat there for ``node``."""
+    def for_round(cls, round_store: Store, group_rank: int, node: str = "",
+                  secret: str | None = None) -> "InProcessRecovery":
+        """Host (rank 0) or look up this round's regroup store; heartbeat there for ``node``.
+
+        ``secret`` seals the store's values: the round's secret from etcd, or the job's
+        (``RESILIENT_JOB_SECRET``). Without either (torch's c10d rendezvous), rank 0 makes
+        one and publishes it in the round's store, which anyone who reaches that store can
+        read: said once in the log, as the trust it leaves."""
+        if secret is None:
+            log.warning("in-process recovery: no authenticated way to share its secret (use --rdzv-backend=%s "
+                        "or set %s); it goes through the rendezvous store, readable by whoever reaches it",
+                        "etcd-v3", JOB_SECRET_ENV)
         if group_rank == 0:
             base = _tcp_store(round_store)
             host = interface_towards(getattr(base, "host", "127.0.0.1"), getattr(base, "port", 1))
             server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
             address = f"{host}:{server.port}/{secrets.token_hex(8)}"
+            if secret is None:
+                secret = new_secret()
+                round_store.set(UNGUARDED_SECRET_KEY, secret)
             round_store.set(KEY, address)
-            return cls(address, server, node)
-        return cls(round_store.get(KEY).decode(), None, node)
+            return cls(address, server, node, secret=secret)
+        address = round_store.get(KEY).decode()
+        if secret is None:
+            secret = round_store.get(UNGUARDED_SECRET_KEY).decode()
+        return cls(address, None, node, secret=secret)
 
     def active(self) -> bool:
         """Whether this round's workers recover in-process: they said so when they started,

@@ -57,6 +57,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from .._events import EventLog
 from .._metrics import mark_agent
+from .._sealed import new_secret
 from ._etcd import (TLS_KEYS, Changes, DeletionWatch, Etcd, EtcdSecurity, EtcdSecurityError, KeyValue, LeaseKeeper,
                     PrefixMirror, exists, same_revision)
 from .gang import GANG_ENV
@@ -86,12 +87,15 @@ class Round:
     store: str = ""                                        # the round's store, once running
     previous: list[str] = field(default_factory=list)      # members of the last running round
     opened: int = 0  # etcd revision at which the round opened (running: kept in the value)
+    # seals the round's regroup store and peer-memory channel (``resilient._sealed``): etcd,
+    # behind its TLS and authentication, is the one place every agent trusts
+    secret: str = field(default="", repr=False)
 
     def encode(self) -> str:
         data: dict[str, Any] = {"number": self.number, "phase": self.phase, "closer": self.closer,
                                 "previous": self.previous}
         if self.phase == "running":
-            data.update(members=self.members, store=self.store, opened=self.opened)
+            data.update(members=self.members, store=self.store, opened=self.opened, secret=self.secret)
         return json.dumps(data)
 
     @classmethod
@@ -102,7 +106,7 @@ class Round:
             state = cls(int(data["number"]), phase, str(data.get("closer", "")),
                         [str(m) for m in data.get("members", [])], str(data.get("store", "")),
                         [str(m) for m in data.get("previous", [])],
-                        int(data["opened"]) if phase == "running" else kv.mod_revision)
+                        int(data["opened"]) if phase == "running" else kv.mod_revision, str(data.get("secret", "")))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RendezvousStateError(f"etcd key {kv.key!r} does not hold a rendezvous round "
                                        f"({type(exc).__name__}: {exc}); was it written by another tool?") from None
@@ -410,7 +414,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return
         members = assign_ranks(list(joined), state.previous, min(len(joined), self.max_nodes))
         running = Round(state.number, "running", self.node, members, self._host_store(),
-                        state.previous, state.opened)
+                        state.previous, state.opened, new_secret())
         if self.etcd.transact([same_revision(self._round_key, revision)],
                               [(self._round_key, running.encode(), 0)]):
             self._stop_closing()
@@ -449,6 +453,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                               RendezvousStoreInfo(host, int(port)))
 
     # -- helpers -------------------------------------------------------------------------------
+    @property
+    def round_secret(self) -> str | None:
+        """The running round's secret (for its regroup store); None before a round ran."""
+        return self._running.secret if self._running is not None and self._running.secret else None
+
     def _decode(self, kv: KeyValue) -> Round:
         """The round in ``kv``, decoded once per revision (a gang of thousands is a large value
         and the agent polls every monitor interval)."""

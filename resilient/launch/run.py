@@ -31,6 +31,8 @@ from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 from .._preempt import GRACE_ENV
 from .._regroup import AGENT_HEARTBEAT_ENV
 from .._regroup import ENV as REGROUP_ENV
+from .._regroup import SECRET_ENV as REGROUP_SECRET_ENV
+from .._sealed import job_secret
 from ._inprocess import NODE_ENV, InProcessRecovery
 from .rendezvous import BACKEND, EtcdV3RendezvousHandler, create_handler
 
@@ -79,10 +81,12 @@ class ResilientAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         node = handler.node if isinstance(handler, EtcdV3RendezvousHandler) else \
             f"{socket.gethostname()}/{worker_group.group_rank}"
-        regroup = self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank, node)
-        # workers inherit the agent's environment: where to re-form, their node's name, and
-        # that the agent heartbeats for the node
-        os.environ.update({REGROUP_ENV: regroup.address, NODE_ENV: node, AGENT_HEARTBEAT_ENV: "1"})
+        secret = handler.round_secret if isinstance(handler, EtcdV3RendezvousHandler) else job_secret()
+        regroup = self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank, node, secret)
+        # workers inherit the agent's environment: where to re-form and its secret, their
+        # node's name, and that the agent heartbeats for the node
+        os.environ.update({REGROUP_ENV: regroup.address, REGROUP_SECRET_ENV: regroup.secret, NODE_ENV: node,
+                           AGENT_HEARTBEAT_ENV: "1"})
         if isinstance(handler, EtcdV3RendezvousHandler):
             # a frozen node resets no connection: its peers wait in a collective until told
             handler.on_lost = lambda nodes: regroup.active() and regroup.fail_nodes(nodes)
