@@ -2,7 +2,9 @@
 
 One registry per process, created on first use. Workers serve it when
 ``RESILIENT_METRICS_PORT`` is set (local rank *r* on that port + *r*, so the ranks of a node
-never collide); ``resilient-run --metrics-port`` serves the agent's. Every metric starts
+never collide); ``resilient-run --metrics-port`` serves the agent's. Both bind to
+``RESILIENT_METRICS_ADDR`` (``resilient-run --metrics-addr``; default 0.0.0.0, every
+interface, where a cluster's Prometheus scrapes pods). Every metric starts
 with ``resilient_``; the names and labels are documented in docs/observability.md.
 prometheus-client is imported here only, so a process that never asks pays nothing.
 """
@@ -68,11 +70,19 @@ class Metrics:
         self.goodput = Gauge("resilient_goodput_ratio",
                              "Time in steps whose results were kept / wall time, from the event log", registry=r)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str | None = None) -> None:
         from prometheus_client import start_http_server
 
+        addr = addr or bind_address()
         start_http_server(port, addr=addr, registry=self.registry)
         log.info("resilient: metrics on http://%s:%d/metrics", addr, port)
+
+
+ADDR_ENV = "RESILIENT_METRICS_ADDR"
+
+
+def bind_address() -> str:
+    return os.environ.get(ADDR_ENV) or "0.0.0.0"
 
 
 def metrics() -> Metrics:

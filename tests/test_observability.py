@@ -31,6 +31,18 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
+def listening_on(port: int) -> set[str]:
+    """Addresses with a TCP socket listening on ``port`` (from /proc/net/tcp)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in list(f)[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
 def eventually(fn, timeout: float = 15):
     deadline = time.monotonic() + timeout
     while True:
@@ -45,11 +57,15 @@ def eventually(fn, timeout: float = 15):
 def test_metrics_and_timeline_show_the_fault_the_new_round_and_the_restore(cluster, tmp_path):
     run_log = str(tmp_path / "run.jsonl")
     ports = {"a": (free_port(), free_port()), "b": (free_port(), free_port())}
-    nodes = {name: cluster.start(name, extra=[f"--metrics-port={agent}", f"--event-log={run_log}"],
+    nodes = {name: cluster.start(name, extra=[f"--metrics-port={agent}", f"--event-log={run_log}",
+                                              *(["--metrics-addr=127.0.0.1"] if name == "a" else [])],
                                  env={"RESILIENT_METRICS_PORT": str(worker)})
              for name, (agent, worker) in ports.items()}
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "world 2")
     assert scrape(ports["a"][1])["resilient_save_stall_seconds_count"] > 0  # a worker serves its metrics
+    # --metrics-addr binds node a's agent and worker endpoints to loopback; b's to every interface
+    assert listening_on(ports["a"][0]) == listening_on(ports["a"][1]) == {"127.0.0.1"}
+    assert listening_on(ports["b"][0]) == {"0.0.0.0"}
     killed_at = time.time()
     nodes["b"].kill()
     resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > killed_at, 30, "the resumed start")

@@ -28,6 +28,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+from .._metrics import ADDR_ENV as METRICS_ADDR_ENV
 from .._preempt import GRACE_ENV
 from .._regroup import AGENT_HEARTBEAT_ENV
 from .._regroup import ENV as REGROUP_ENV
@@ -209,6 +210,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ours = parser.add_argument_group("resilient-run")
     ours.add_argument("--metrics-port", "--metrics_port", type=int, default=None, metavar="PORT",
                       help="serve this agent's Prometheus metrics on PORT (default: off)")
+    ours.add_argument("--metrics-addr", "--metrics_addr", default=None, metavar="ADDR",
+                      help="address the agent's and its workers' metrics bind to (sets RESILIENT_METRICS_ADDR; "
+                           "default 0.0.0.0: every interface; 127.0.0.1 keeps them to this host)")
     ours.add_argument("--event-log", "--event_log", default=os.environ.get("RESILIENT_EVENT_LOG"), metavar="PATH",
                       help="JSON-lines event log shared by this run's agents and workers "
                            "(sets RESILIENT_EVENT_LOG; read it with `resilient-ckpt timeline`)")
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     prepare_preemption(args)
     if args.event_log:
         os.environ["RESILIENT_EVENT_LOG"] = os.path.abspath(args.event_log)
+    if args.metrics_addr:
+        os.environ[METRICS_ADDR_ENV] = args.metrics_addr  # the workers' endpoints too
     if args.metrics_port is not None:
         serve_metrics(args.metrics_port, args.event_log)
     install()
