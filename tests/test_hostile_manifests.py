@@ -63,9 +63,16 @@ def test_restore_falls_back_and_the_cli_names_the_step(damaged, caplog, capsys):
     assert torch.equal(target["w"], torch.full((256,), 1.0))
     assert "step-0000000002" in caplog.text
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 << 10  # KiB: < 200 MiB more
+    copy = damaged + "-copy"
     for argv in (["verify", damaged, "--step", "2"], ["verify", damaged, "--all"], ["show", damaged, "--step", "2"],
-                 ["export", damaged, os.path.join(damaged, "x.pt"), "--step", "2", "--format", "torch"]):
+                 ["export", damaged, os.path.join(damaged, "x.pt"), "--step", "2", "--format", "torch"],
+                 ["export", damaged, os.path.join(damaged, "x.st"), "--step", "2", "--format", "safetensors"],
+                 ["diff", damaged, "1", "2"], ["pull", damaged, copy, "--step", "2"],
+                 ["ls", damaged], ["ls", damaged, "--verify"]):
         assert ckpt_main(argv) == 1, argv  # an error, not an exception
         printed = capsys.readouterr()
-        assert "step-0000000002" in printed.err or "step 2" in printed.err, (argv, printed)
-    assert not os.path.exists(os.path.join(damaged, "x.pt"))
+        assert "step-0000000002" in printed.err + printed.out or "step 2" in printed.err, (argv, printed)
+    assert not any(os.path.exists(os.path.join(damaged, name)) for name in ("x.pt", "x.st"))
+    assert not os.path.exists(os.path.join(copy, "step-0000000002"))
+    assert ckpt_main(["prune", damaged, "--keep", "1"]) == 0  # the damaged step is neither counted nor deleted
+    assert sorted(n for n in os.listdir(damaged) if n.startswith("step-")) == ["step-0000000001", "step-0000000002"]
