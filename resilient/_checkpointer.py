@@ -27,7 +27,7 @@ from ._peer_memory import PeerMemory
 from ._preempt import grace_seconds
 from ._preempt import watch as watch_preemption
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
-from ._restore import load_checkpoint
+from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng
 from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
 from ._storage import LocalStorage, Storage, open_storage
@@ -648,7 +648,9 @@ class Checkpointer:
                 manifest = self._tier.read_manifest(step)
                 touched = loaded_here = True
                 rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, coord.world_size,
-                                      self._read_pool, strict=strict)
+                                      self._read_pool, strict=strict, coord=coord)
+            except OtherRankFailed as exc:  # that rank says why; this copy is not shown bad
+                failure = exc
             except (CheckpointCorruptError, OSError) as exc:
                 failure = exc
                 proven_bad = loaded_here and isinstance(exc, CheckpointCorruptError)

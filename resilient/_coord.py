@@ -63,6 +63,12 @@ class Coordinator:
         """Every rank's ``obj`` (small, picklable values we built: never checkpoint data)."""
         return [obj]
 
+    #: the device type this group's collectives take tensors on ("cpu" for gloo)
+    tensor_device: str = "cpu"
+
+    def broadcast_many(self, parts: list[tuple[torch.Tensor, int]]) -> None:
+        """Broadcast each tensor from the rank paired with it (issued together, then awaited)."""
+
     # -- background thread: store ---------------------------------------------------------
     def publish(self, key: str, value: bytes) -> None:
         raise NotImplementedError
@@ -98,6 +104,7 @@ class GroupCoordinator(Coordinator):
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
+        self.tensor_device = self._device.type
         box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         self.session = str(box[0])
@@ -137,6 +144,12 @@ class GroupCoordinator(Coordinator):
         out: list[object] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def broadcast_many(self, parts: list[tuple[torch.Tensor, int]]) -> None:
+        works = [dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group else src,
+                                group=self.group, async_op=True) for t, src in parts]
+        for work in works:
+            work.wait()
 
     def publish(self, key: str, value: bytes) -> None:
         self._store.set(key, value)

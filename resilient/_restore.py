@@ -12,6 +12,14 @@ Two phases, so that bad input changes nothing:
 
 A checksum failure in phase 2 raises ``CheckpointCorruptError``; the caller then moves to
 an older checkpoint, which overwrites everything phase 2 touched.
+
+**Shared reads.** Under several ranks, a tensor every rank needs whole (replicated state,
+as under DDP) is not read by every rank: its bytes are split at chunk boundaries over the
+ranks, each reads and verifies its part, and the parts are broadcast. Storage then serves
+each byte once, not once per rank (8 GPUs per node: 8x less), and each rank checksums
+1/N of it. The ranks agree on what is shared (one small all-gather) and that every read
+succeeded (one all-reduce) before any broadcast, so a rank that fails never leaves the
+others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any, Callable, MutableMapping
 import torch
 
 from ._chunkio import ChunkedFile
+from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
 from ._layout import Box, contiguous_range, intersect
@@ -32,11 +41,19 @@ from ._snapshot import dtensor_box, is_dtensor
 from ._per_rank import PerRank, Reshard
 from ._tree import build_value, flatten_target, is_stateful, per_rank_path
 
-__all__ = ["load_checkpoint"]
+__all__ = ["load_checkpoint", "OtherRankFailed"]
 
 log = logging.getLogger("resilient")
 
 Task = Callable[[], None]
+
+#: a tensor smaller than this is read by every rank that needs it: a broadcast costs more
+SHARE_MIN_BYTES = 1 << 20
+
+
+class OtherRankFailed(Exception):
+    """Another rank could not plan or read its part of this checkpoint; this rank stops too
+    (its own copy is not shown to be bad)."""
 
 
 class _Reader:
@@ -71,9 +88,26 @@ class _Reader:
         for f in self.files.values():
             f.close()
 
+    def boundaries(self, pieces: list[list[Any]]) -> list[int]:
+        """Byte offsets in a saved box where a piece or a chunk starts (0 and the end
+        included): reads that split there verify no chunk twice."""
+        cuts, pos = {0}, 0
+        for fname, offset, nbytes in pieces:
+            for chunk in self.files[fname].chunks:
+                if offset < chunk[0] < offset + nbytes:
+                    cuts.add(pos + chunk[0] - offset)
+            pos += nbytes
+            cuts.add(pos)
+        return sorted(cuts)
+
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor on its device (a view)."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _fill(
@@ -273,6 +307,39 @@ def _plan_entry(key: str, target: Any, node: dict[str, Any], manifest: dict[str,
     return _Entry(key, target, sources, reshard), ""  # rebuilt from the saved values, none in place
 
 
+def _shareable(name: str, dest: "_Destination", meta: dict[str, Any], device: str) -> int:
+    """Bytes of ``name`` if every rank can take it from one read split over the ranks (a
+    whole, contiguous, non-DTensor destination saved as one box), else 0."""
+    if is_dtensor(dest.value) or len(meta["boxes"]) != 1 or list(meta["boxes"][0]["sizes"]) != list(meta["shape"]):
+        return 0
+    if list(dest.box.sizes) != list(meta["shape"]) or not dest.local.is_contiguous():
+        return 0
+    if dest.local.device.type != device:
+        return 0
+    nbytes = dest.buffer.numel() * dest.buffer.element_size()
+    return nbytes if nbytes >= SHARE_MIN_BYTES else 0
+
+
+def _split_reads(reader: _Reader, shared: list[tuple[str, int]], tensors_meta: dict[str, Any],
+                 world_size: int) -> list[tuple[str, int, int, int]]:
+    """(name, lo, hi, reader rank) for every shared tensor: the bytes of all of them, in name
+    order, cut into ``world_size`` contiguous runs of about equal size at chunk boundaries."""
+    segments: list[tuple[str, int, int]] = []
+    for name, _ in shared:
+        cuts = reader.boundaries(tensors_meta[name]["boxes"][0]["pieces"])
+        segments += [(name, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    total = sum(hi - lo for _, lo, hi in segments) or 1
+    plan, before = [], 0
+    for name, lo, hi in segments:
+        owner = min(world_size - 1, int((before + (hi - lo) / 2) * world_size // total))
+        if plan and plan[-1][0] == name and plan[-1][3] == owner and plan[-1][2] == lo:
+            plan[-1] = (name, plan[-1][1], hi, owner)  # one run per tensor and rank
+        else:
+            plan.append((name, lo, hi, owner))
+        before += hi - lo
+    return plan
+
+
 def load_checkpoint(
     state: MutableMapping[str, Any],
     manifest: dict[str, Any],
@@ -282,13 +349,51 @@ def load_checkpoint(
     pool: Executor,
     *,
     strict: bool = True,
+    coord: Coordinator | None = None,
 ) -> dict[str, Any] | None:
     """Load ``manifest``'s checkpoint into ``state``; return this rank's saved RNG state.
 
     ``strict=False`` restores what the state and the checkpoint have in common: entries or
     module tensors absent from the checkpoint keep their current values, saved entries the
     state lacks are ignored (shapes and dtypes of what is loaded are still checked).
+
+    ``coord`` (several ranks, each calling this together): share the reads of tensors every
+    rank needs whole (see the module's docstring); a failure on any rank raises on all of
+    them (there ``OtherRankFailed``) before any broadcast.
     """
+    together = coord is not None and coord.world_size > 1
+    plan: tuple[Any, ...] | None = None
+    error: BaseException | None = None
+    try:
+        plan = _check_and_place(state, manifest, rank, world_size, strict)
+    except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
+        error = exc
+    if not together:
+        if error is not None:
+            raise error
+        assert plan is not None
+        return _read_and_apply(state, manifest, step_dir, rank, world_size, pool, strict, plan, None)
+    assert coord is not None
+    device = coord.tensor_device
+    offers = None if plan is None else sorted(
+        (name, n) for name, dest in plan[0].items()
+        if (n := _shareable(name, dest, manifest["tensors"][name], device)))
+    everyone = coord.all_gather(offers)
+    if error is not None:
+        raise error
+    if any(o is None for o in everyone):
+        raise OtherRankFailed(f"another rank could not plan its restore of step {manifest['step']}")
+    common = set(map(tuple, everyone[0]))  # type: ignore[arg-type]
+    for other in everyone[1:]:
+        common &= set(map(tuple, other))  # type: ignore[arg-type]
+    assert plan is not None
+    return _read_and_apply(state, manifest, step_dir, rank, world_size, pool, strict, plan,
+                           (coord, sorted(common)))
+
+
+def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], rank: int, world_size: int,
+                     strict: bool) -> tuple[dict[str, "_Destination"], list["_Entry"], dict[str, Any]]:
+    """Phase 1: (where every saved tensor goes, how each entry is rebuilt, this rank's record)."""
     step = manifest["step"]
     record = manifest["ranks"][rank if rank < manifest["world_size"] else 0]
     saved_entries = dict(record["tree"]["items"])
@@ -333,25 +438,54 @@ def load_checkpoint(
                 destinations[name] = _Destination.placed_like(templates[name], meta, name)
             else:
                 destinations[name] = _Destination.fresh(meta)
+    return destinations, entries, record
 
-    # -- phase 2: read ------------------------------------------------------------------------
-    reader = _Reader(step_dir, manifest)
+
+def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], step_dir: str, rank: int,
+                    world_size: int, pool: Executor, strict: bool,
+                    plan: tuple[dict[str, "_Destination"], list["_Entry"], dict[str, Any]],
+                    sharing: tuple[Coordinator, list[tuple[str, int]]] | None) -> dict[str, Any] | None:
+    """Phase 2 (read, verify, share) and the rebuild of the state."""
+    destinations, entries, record = plan
+    tensors_meta = manifest["tensors"]
+    runs: list[tuple[str, int, int, int]] = []
+    copies: list[Task] = []
+    error: BaseException | None = None
     try:
-        reads: list[Task] = []
-        copies: list[Task] = []
-        for name, dest in destinations.items():
-            r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
-            reads += r
-            copies += c
-        for future in [pool.submit(task) for task in reads]:
-            future.result()
-    finally:
-        reader.close()
+        reader = _Reader(step_dir, manifest)
+        try:
+            shared = {name for name, _ in sharing[1]} if sharing else set()
+            if sharing:
+                runs = _split_reads(reader, sharing[1], tensors_meta, world_size)
+            reads: list[Task] = []
+            for name, lo, hi, owner in runs:
+                if owner == rank:
+                    meta = tensors_meta[name]
+                    reads += reader.box_bytes(meta["boxes"][0]["pieces"], lo,
+                                              _as_bytes(destinations[name].buffer)[lo:hi])
+            for name, dest in destinations.items():
+                if name not in shared:
+                    r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
+                    reads += r
+                    copies += c
+            for future in [pool.submit(task) for task in reads]:
+                future.result()
+        finally:
+            reader.close()
+    except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
+        error = exc
+    if sharing is not None and sharing[0].agree_max(int(error is not None)):
+        raise error or OtherRankFailed(f"another rank could not read its part of step {manifest['step']}")
+    if error is not None:
+        raise error
     with torch.no_grad():
         for task in copies:
             task()
         for dest in destinations.values():
             dest.finish()
+        if sharing is not None and runs:
+            sharing[0].broadcast_many([(_as_bytes_tensor(destinations[name].local)[lo:hi], owner)
+                                       for name, lo, hi, owner in runs])
 
     # -- apply --------------------------------------------------------------------------------
     for entry in entries:

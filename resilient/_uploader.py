@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+from ._background import yield_to_training
 from ._catalog import COMMITTED, Catalog
 from ._metrics import record
 from ._policy import RetentionPolicy, to_delete
@@ -147,6 +148,7 @@ class Uploader:
             self.on_uploaded(step, None)  # found there, not uploaded now
 
     def _loop(self) -> None:
+        yield_to_training()
         if not self._retrying(f"listing {self.remote.storage.url}", self._catch_up):
             return
         while True:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._background import yield_to_training
 from ._chunkio import fsync_dir, write_chunked
 from ._coord import Coordinator
 from ._errors import CommitError
@@ -180,6 +181,7 @@ class BackgroundWriter:
         return not alive
 
     def _loop(self) -> None:
+        yield_to_training()  # the encode threads, started from here, inherit it
         while (job := self._jobs.get()) is not None:
             error: BaseException | None = None
             try:

@@ -254,9 +254,53 @@ def stateful_dataloader_per_rank(a: dict) -> None:
     print(f"rank {rank} loader resumed exactly", flush=True)
 
 
+def _replicated_state(step: int) -> dict:
+    """DDP-like state: tensors every rank holds whole, two above the shared-read threshold."""
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"big": torch.randn(1024, 1024, generator=g), "odd": torch.randn(777, 1001, generator=g),
+                      "small": torch.randn(10, generator=g)},
+            "bf16": torch.randn(600, 1000, generator=g).to(torch.bfloat16), "meta": {"step": step}}
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read syscalls (page cache included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def replicated_save(a: dict) -> None:
+    rank, world = init()
+    with Checkpointer(a["root"], keep=None, remote=a.get("remote"), storage_options=a.get("storage_options"),
+                      chunk_bytes=1 << 20) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _replicated_state(step), force=True)
+        ckpt.wait()
+        if a.get("remote"):
+            ckpt.flush(timeout=60)
+
+
+def replicated_restore(a: dict) -> None:
+    """Restore replicated state; report the bytes this rank read (each reads ~1/world)."""
+    rank, world = init()
+    expected = _replicated_state(a["expect"])
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
+              "bf16": torch.zeros_like(expected["bf16"]), "meta": {"step": 0}}
+    with Checkpointer(a["root"], remote=a.get("remote"), storage_options=a.get("storage_options")) as ckpt:
+        if a.get("remote"):
+            ckpt.restore(dict(target))  # fetch first: the download is not what is measured
+        before = _bytes_read()
+        step = ckpt.restore(target)
+        read = _bytes_read() - before
+    assert step == a["expect"], (rank, step)
+    for k, v in expected["model"].items():
+        assert torch.equal(target["model"][k], v), (rank, k)
+    assert torch.equal(target["bf16"], expected["bf16"]) and target["meta"] == {"step": a["expect"]}
+    print("RESULT " + json.dumps({"rank": rank, "read": read}), flush=True)
+
+
 SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore,
-                                     stateful_dataloader_per_rank)}
+                                     stateful_dataloader_per_rank, replicated_save, replicated_restore)}
 
 def finish_scenario() -> None:
     """End a scenario process: barrier, tear down the group, exit without interpreter teardown.

@@ -1,0 +1,54 @@
+"""Replicated state is read once, split over the ranks, and shared by broadcast: every
+rank gets every byte exactly, each rank reads about 1/world of them, and a bad chunk in one
+rank's part makes every rank fall back together."""
+
+import json
+import os
+
+import pytest
+
+from .faults import flip_byte
+from .launch import run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+# the shared tensors of tests.workers._replicated_state (the 10-element one is read by all)
+SHARED_BYTES = 1024 * 1024 * 4 + 777 * 1001 * 4 + 600 * 1000 * 2
+
+
+def _reads(results) -> list[int]:
+    out = []
+    for r in results:
+        line = next(line for line in r.output.splitlines() if line.startswith("RESULT "))
+        out.append(json.loads(line[len("RESULT "):])["read"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("shared") / "ckpt")
+    run_ranks("replicated_save", 2, {"root": root})
+    return root
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_each_byte_is_read_once_whatever_the_rank_count(saved_by_two, world):
+    reads = _reads(run_ranks("replicated_restore", world, {"root": saved_by_two, "expect": 2}))
+    # every rank has every tensor exactly (asserted in the worker); storage served each byte
+    # about once in total, and no rank read much more than its share
+    assert SHARED_BYTES <= sum(reads) < SHARED_BYTES * 1.1 + (1 << 20), reads
+    assert max(reads) < SHARED_BYTES / world * 1.35 + (1 << 20), reads
+
+
+def test_a_bad_chunk_in_one_ranks_part_makes_every_rank_fall_back(tmp_path):
+    root = str(tmp_path / "ckpt")
+    run_ranks("replicated_save", 2, {"root": root})
+    flip_byte(os.path.join(root, "step-0000000002", "rank-00001.data"), 100_000)
+    run_ranks("replicated_restore", 2, {"root": root, "expect": 1})  # both ranks load step 1, none hangs
+
+
+def test_shared_reads_from_a_node_with_only_the_remote_tier(tmp_path, s3_server):
+    remote = {"remote": f"s3://{s3_server['bucket']}/shared-{os.getpid()}", "storage_options": s3_server["options"]}
+    run_ranks("replicated_save", 2, {"root": str(tmp_path / "first"), **remote})
+    reads = _reads(run_ranks("replicated_restore", 3, {"root": str(tmp_path / "empty"), "expect": 2, **remote}))
+    assert max(reads) < SHARED_BYTES / 3 * 1.35 + (1 << 20), reads
