@@ -21,7 +21,7 @@ def _threads(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-@pytest.mark.parametrize("setting, raised_by", [(None, 10), ("3", 3), ("0", 0)])
+@pytest.mark.parametrize("setting, raised_by", [(None, 19), ("3", 3), ("0", 0)])
 def test_background_threads_run_niced(tmp_path, monkeypatch, setting, raised_by):
     if setting is None:
         monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
