@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,8 +66,10 @@ class Coordinator:
     #: the device type this group's collectives take tensors on ("cpu" for gloo)
     tensor_device: str = "cpu"
 
-    def broadcast_many(self, parts: list[tuple[torch.Tensor, int]]) -> None:
-        """Broadcast each tensor from the rank paired with it (issued together, then awaited)."""
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Start broadcasting ``tensor`` from rank ``src``; returns a handle to ``wait()`` on.
+        Every rank must start the same broadcasts in the same order."""
+        raise NotImplementedError("one process has no one to broadcast to")
 
     # -- background thread: store ---------------------------------------------------------
     def publish(self, key: str, value: bytes) -> None:
@@ -145,11 +147,9 @@ class GroupCoordinator(Coordinator):
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def broadcast_many(self, parts: list[tuple[torch.Tensor, int]]) -> None:
-        works = [dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group else src,
-                                group=self.group, async_op=True) for t, src in parts]
-        for work in works:
-            work.wait()
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        return dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
+                              group=self.group, async_op=True)
 
     def publish(self, key: str, value: bytes) -> None:
         self._store.set(key, value)

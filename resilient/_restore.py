@@ -17,9 +17,11 @@ an older checkpoint, which overwrites everything phase 2 touched.
 as under DDP) is not read by every rank: its bytes are split at chunk boundaries over the
 ranks, each reads and verifies its part, and the parts are broadcast. Storage then serves
 each byte once, not once per rank (8 GPUs per node: 8x less), and each rank checksums
-1/N of it. The ranks agree on what is shared (one small all-gather) and that every read
-succeeded (one all-reduce) before any broadcast, so a rank that fails never leaves the
-others waiting in a collective.
+1/N of it. The ranks agree on what is shared (one small all-gather); each part is
+broadcast as soon as its reader has it, so sharing overlaps reading. A rank whose read
+fails still takes part in every broadcast, and one all-reduce after them tells every rank
+that a read failed: nobody waits for a collective that will not come, and every rank falls
+back together.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, Callable, MutableMapping
 
 import torch
@@ -87,18 +89,6 @@ class _Reader:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
-
-    def boundaries(self, pieces: list[list[Any]]) -> list[int]:
-        """Byte offsets in a saved box where a piece or a chunk starts (0 and the end
-        included): reads that split there verify no chunk twice."""
-        cuts, pos = {0}, 0
-        for fname, offset, nbytes in pieces:
-            for chunk in self.files[fname].chunks:
-                if offset < chunk[0] < offset + nbytes:
-                    cuts.add(pos + chunk[0] - offset)
-            pos += nbytes
-            cuts.add(pos)
-        return sorted(cuts)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -320,16 +310,31 @@ def _shareable(name: str, dest: "_Destination", meta: dict[str, Any], device: st
     return nbytes if nbytes >= SHARE_MIN_BYTES else 0
 
 
-def _split_reads(reader: _Reader, shared: list[tuple[str, int]], tensors_meta: dict[str, Any],
+def _boundaries(files: dict[str, Any], pieces: list[list[Any]]) -> list[int]:
+    """Byte offsets in a saved box where a piece or a chunk starts (0 and the end included):
+    reads split there verify no chunk twice."""
+    cuts, pos = {0}, 0
+    for fname, offset, nbytes in pieces:
+        for chunk in files[fname]["chunks"]:
+            if offset < chunk[0] < offset + nbytes:
+                cuts.add(pos + chunk[0] - offset)
+        pos += nbytes
+        cuts.add(pos)
+    return sorted(cuts)
+
+
+def _split_reads(files: dict[str, Any], shared: list[tuple[str, int]], tensors_meta: dict[str, Any],
                  world_size: int) -> list[tuple[str, int, int, int]]:
     """(name, lo, hi, reader rank) for every shared tensor: the bytes of all of them, in name
-    order, cut into ``world_size`` contiguous runs of about equal size at chunk boundaries."""
+    order, cut into ``world_size`` contiguous runs of about equal size at chunk boundaries.
+    From the manifest alone, so every rank computes the same runs, whatever it can read."""
     segments: list[tuple[str, int, int]] = []
     for name, _ in shared:
-        cuts = reader.boundaries(tensors_meta[name]["boxes"][0]["pieces"])
+        cuts = _boundaries(files, tensors_meta[name]["boxes"][0]["pieces"])
         segments += [(name, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
     total = sum(hi - lo for _, lo, hi in segments) or 1
-    plan, before = [], 0
+    plan: list[tuple[str, int, int, int]] = []
+    before = 0
     for name, lo, hi in segments:
         owner = min(world_size - 1, int((before + (hi - lo) / 2) * world_size // total))
         if plan and plan[-1][0] == name and plan[-1][3] == owner and plan[-1][2] == lo:
@@ -338,6 +343,16 @@ def _split_reads(reader: _Reader, shared: list[tuple[str, int]], tensors_meta: d
             plan.append((name, lo, hi, owner))
         before += hi - lo
     return plan
+
+
+def _settle(futures: list["Future[None]"], error: BaseException | None) -> BaseException | None:
+    """Wait for every future; the first error (``error`` if already set) is returned."""
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:  # noqa: BLE001 - the caller raises it after the vote
+            error = error or exc
+    return error
 
 
 def load_checkpoint(
@@ -445,35 +460,53 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
                     world_size: int, pool: Executor, strict: bool,
                     plan: tuple[dict[str, "_Destination"], list["_Entry"], dict[str, Any]],
                     sharing: tuple[Coordinator, list[tuple[str, int]]] | None) -> dict[str, Any] | None:
-    """Phase 2 (read, verify, share) and the rebuild of the state."""
+    """Phase 2 (read, verify, share) and the rebuild of the state.
+
+    Shared runs are broadcast in one order on every rank, each as soon as its reader has it,
+    so sharing overlaps reading. A rank whose read failed still takes part in every
+    broadcast (what it sends is then garbage), and the vote after them makes every rank
+    raise: nobody waits for a collective that will not come."""
     destinations, entries, record = plan
     tensors_meta = manifest["tensors"]
-    runs: list[tuple[str, int, int, int]] = []
+    runs = _split_reads(manifest["files"], sharing[1], tensors_meta, world_size) if sharing else []
+    shared = {name for name, _ in sharing[1]} if sharing else set()
+    own: dict[int, list[Future[None]]] = {}
+    others: list[Future[None]] = []
     copies: list[Task] = []
     error: BaseException | None = None
+    reader: _Reader | None = None
     try:
-        reader = _Reader(step_dir, manifest)
         try:
-            shared = {name for name, _ in sharing[1]} if sharing else set()
-            if sharing:
-                runs = _split_reads(reader, sharing[1], tensors_meta, world_size)
-            reads: list[Task] = []
-            for name, lo, hi, owner in runs:
+            reader = _Reader(step_dir, manifest)
+            for i, (name, lo, hi, owner) in enumerate(runs):
                 if owner == rank:
-                    meta = tensors_meta[name]
-                    reads += reader.box_bytes(meta["boxes"][0]["pieces"], lo,
-                                              _as_bytes(destinations[name].buffer)[lo:hi])
+                    tasks = reader.box_bytes(tensors_meta[name]["boxes"][0]["pieces"], lo,
+                                             _as_bytes(destinations[name].buffer)[lo:hi])
+                    own[i] = [pool.submit(task) for task in tasks]
             for name, dest in destinations.items():
                 if name not in shared:
                     r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
-                    reads += r
+                    others += [pool.submit(task) for task in r]
                     copies += c
-            for future in [pool.submit(task) for task in reads]:
-                future.result()
-        finally:
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
+            error = exc
+        works = []
+        with torch.no_grad():
+            for i, (name, lo, hi, owner) in enumerate(runs):
+                dest = destinations[name]
+                part = _as_bytes_tensor(dest.local)[lo:hi]
+                if owner == rank:
+                    error = _settle(own.get(i, []), error)
+                    if error is None and dest.local.data_ptr() != dest.buffer.data_ptr():
+                        part.copy_(_as_bytes_tensor(dest.buffer)[lo:hi])  # to the device it is sent from
+                assert sharing is not None
+                works.append(sharing[0].broadcast(part, owner))
+        error = _settle(others, error)
+        for work in works:
+            work.wait()
+    finally:
+        if reader is not None:
             reader.close()
-    except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
-        error = exc
     if sharing is not None and sharing[0].agree_max(int(error is not None)):
         raise error or OtherRankFailed(f"another rank could not read its part of step {manifest['step']}")
     if error is not None:
@@ -481,11 +514,9 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
     with torch.no_grad():
         for task in copies:
             task()
-        for dest in destinations.values():
-            dest.finish()
-        if sharing is not None and runs:
-            sharing[0].broadcast_many([(_as_bytes_tensor(destinations[name].local)[lo:hi], owner)
-                                       for name, lo, hi, owner in runs])
+        for name, dest in destinations.items():
+            if name not in shared:  # a shared one is complete where it lives (its buffer is not)
+                dest.finish()
 
     # -- apply --------------------------------------------------------------------------------
     for entry in entries:
