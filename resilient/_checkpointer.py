@@ -35,6 +35,7 @@ from ._transfer import copy_step, has_all_files
 from ._tree import Flattened, flatten_state
 from ._uploader import Uploader
 from ._faults import from_env as faults_from_env
+from ._fence import STAGING_MODES, deferred_sources, open_all, optimizer_storages
 from ._watchdog import from_env as watchdog_from_env
 from ._metrics import enabled as metrics_enabled
 from ._metrics import metrics
@@ -126,6 +127,10 @@ class Checkpointer:
             ``RESILIENT_EVENT_LOG``, or off.
         commit_timeout: seconds to wait for the other ranks when committing
             (default ``RESILIENT_COMMIT_TIMEOUT`` or 600).
+        staging: ``"overlap"`` copies the tensors of the optimizers in ``state`` (their
+            parameters and state) while training goes on, and makes their next ``step()``
+            wait for the copy; ``"sync"`` copies everything inside ``save``; ``"auto"``
+            (default, or ``RESILIENT_STAGING``) overlaps when the state is on a GPU.
     """
 
     def __init__(
@@ -145,6 +150,7 @@ class Checkpointer:
         strict: bool = False,
         events: str | None = None,
         commit_timeout: float | None = None,
+        staging: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         _memory: PeerMemory | None = None,
         _on_hang: Callable[[float, float], None] | None = None,
@@ -158,6 +164,11 @@ class Checkpointer:
             raise ValueError(f"remote must be a URL string, got {type(remote).__name__}")
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
+        staging = staging if staging is not None else os.environ.get("RESILIENT_STAGING", "auto")
+        if staging not in STAGING_MODES:
+            raise ValueError(f"staging must be one of {', '.join(STAGING_MODES)} (argument or RESILIENT_STAGING), "
+                             f"got {staging!r}")
+        self.staging = staging
         self.root = os.fspath(root)
         self.remote = remote
         self.storage_options = dict(storage_options or {})
@@ -165,7 +176,8 @@ class Checkpointer:
         self.rng = rng
         self.strict = strict
         # counters an operator (or a metrics exporter) reads; updated by background threads
-        self.stats = {"saves_committed": 0, "saves_failed": 0, "bytes_staged": 0}
+        self.stats = {"saves_committed": 0, "saves_failed": 0, "bytes_staged": 0,
+                      "staging_wait_s": 0.0}  # how long optimizer steps waited for overlapped copies
         self._save_policy = save_policy(every, every_seconds)
         self._keep = retention_policy(keep)
         self._keep_remote = retention_policy(keep_remote)
@@ -322,12 +334,14 @@ class Checkpointer:
             if self.strict and previous._error is not None:
                 raise previous._error
         plan = self._layout_plan(flat)
-        buffer = self._staging.stage(plan, flat.tensors)
+        deferred = self._deferred(state, flat.tensors)
+        buffer, fence = self._staging.stage(plan, flat.tensors, deferred, on_wait=self._count_staging_wait)
         handle.nbytes = buffer.numel()
+        handle.deferred_bytes = sum(blob.length for blob in plan.blobs if blob.name in deferred)
         self.stats["bytes_staged"] += handle.nbytes
         handle.staged_at = time.perf_counter()
         self._events.emit("save_staged", step=step, stall_s=round(handle.staged_at - handle.started, 6),
-                          bytes=handle.nbytes)
+                          bytes=handle.nbytes, deferred_bytes=handle.deferred_bytes)
         self._seq += 1
         with self._lock:
             self._inflight = handle
@@ -341,6 +355,7 @@ class Checkpointer:
                 tree=flat.tree,
                 rng=capture_rng() if self.rng else None,
                 handle=handle,
+                fence=fence,
             )
         )
         if preempted:
@@ -349,6 +364,15 @@ class Checkpointer:
             self.wait()
             raise GangChange(f"a process joins the gang: step {step} is committed, re-forming")
         return handle
+
+    def _deferred(self, state: Mapping[str, Any], tensors: dict[str, torch.Tensor]) -> set[str]:
+        """The tensors whose copy may run on while training does (see ``_fence``)."""
+        if self.staging == "sync" or (self.staging == "auto" and not Staging.on_device(tensors)):
+            return set()
+        return deferred_sources(tensors, tensors, optimizer_storages(state))
+
+    def _count_staging_wait(self, seconds: float) -> None:
+        self.stats["staging_wait_s"] += seconds
 
     def _decide(self, step: int, force: bool) -> tuple[bool, bool]:
         """(is this step saved, is the job being preempted), the same on every rank.
@@ -597,6 +621,7 @@ class Checkpointer:
         not ask for are not read.
         """
         self._check_open()
+        open_all()  # a copy still reading the live tensors finishes before they are overwritten
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         wanted = step
@@ -731,6 +756,7 @@ class Checkpointer:
             self._events.close()
             if not self._writer.stop(timeout=timeout):
                 log.warning("resilient: background writer still busy at close; abandoning it")
+            self._staging.close()
             self._read_pool.shutdown()
             self._release_root()
 

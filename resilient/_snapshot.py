@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from ._chunkio import crc32
 from ._errors import UnsupportedStateError
+from ._fence import CopyThread, StagingFence, register
 from ._format import dtype_from_name, dtype_name
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
@@ -130,7 +131,7 @@ def fingerprint(t: torch.Tensor) -> int:
     if flat.numel() > _FINGERPRINT_WHOLE:
         stride = flat.numel() // _FINGERPRINT_SAMPLE
         flat = flat[: stride * _FINGERPRINT_SAMPLE : stride]
-    return zlib.crc32(flat.cpu().numpy().tobytes())
+    return crc32(flat.cpu().numpy().tobytes())
 
 
 def find_aliases(tensors: dict[str, torch.Tensor], skip: set[str]) -> dict[str, str]:
@@ -263,11 +264,16 @@ class Staging:
     """One host buffer, allocated on first use and reused: memory does not grow per save.
 
     Pinned when the state lives on an accelerator, so the device-to-host copy runs at
-    full bandwidth and asynchronously.
+    full bandwidth and asynchronously: on CUDA every copy goes on a side stream, the
+    training stream waits (on the device, not the host) only for the blobs that are not
+    deferred, and the deferred ones (see ``_fence``) are awaited by the next optimizer
+    step. On the CPU the deferred blobs are copied by a thread of their own.
     """
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
+        self._stream: Any = None
+        self._copier = CopyThread()
 
     def _ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.is_pinned() != pin:
@@ -276,18 +282,75 @@ class Staging:
             self.buffer.zero_()  # touch every page now, not during the copy
         return self.buffer
 
-    def stage(self, plan: RankPlan, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Copy the plan's blobs into the buffer; returns the filled prefix."""
-        pin = torch.cuda.is_available() and any(
+    @staticmethod
+    def on_device(tensors: dict[str, torch.Tensor]) -> bool:
+        return torch.cuda.is_available() and any(
             (t.to_local() if is_dtensor(t) else t).is_cuda for t in tensors.values()
         )
+
+    def stage(self, plan: RankPlan, tensors: dict[str, torch.Tensor], deferred: set[str] | frozenset[str] = frozenset(),
+              on_wait: Callable[[float], None] = lambda seconds: None) -> tuple[torch.Tensor, StagingFence | None]:
+        """Copy the plan's blobs into the buffer: (the filled prefix, the fence that tells
+        when it is complete, or None when it already is)."""
+        pin = self.on_device(tensors)
         buffer = self._ensure(plan.nbytes, pin)
+        now: list[tuple[Blob, int]] = []
+        later: list[tuple[Blob, int]] = []
         pos = 0
+        for blob in plan.blobs:
+            (later if blob.name in deferred else now).append((blob, pos))
+            pos += blob.length
+        fence = StagingFence([(name, tensors[name]) for name in sorted({b.name for b, _ in later})], on_wait) \
+            if later or pin else None
+        if fence is not None and later:
+            register(fence)  # before the copy starts: the writer forgets it once complete
         with torch.no_grad():
-            for blob in plan.blobs:
-                src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
-                buffer[pos : pos + blob.length].copy_(src, non_blocking=pin)
-                pos += blob.length
-        if pin:
-            torch.cuda.synchronize()
-        return buffer[:pos]
+            if pin:
+                self._stage_on_device(buffer, tensors, now, later, fence)
+            else:
+                self._copy(buffer, tensors, now, non_blocking=False)
+                if later:
+                    def copy_later(fence: StagingFence = fence) -> None:  # type: ignore[assignment]
+                        error = None
+                        try:
+                            with torch.no_grad():
+                                self._copy(buffer, tensors, later, non_blocking=False)
+                        except BaseException as exc:  # noqa: BLE001 - the fence reports it to the writer
+                            error = exc
+                        fence.cpu_copied(error)
+                    self._copier.run(copy_later)
+        return buffer[:pos], fence
+
+    @staticmethod
+    def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[tuple[Blob, int]],
+              non_blocking: bool) -> None:
+        for blob, pos in blobs:
+            src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
+            buffer[pos : pos + blob.length].copy_(src, non_blocking=non_blocking)
+
+    def _stage_on_device(self, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], now: list[tuple[Blob, int]],
+                         later: list[tuple[Blob, int]], fence: StagingFence | None) -> None:
+        """Both parts on a side stream that first waits for the work that made the values;
+        the training stream then waits for the first part (state that forward may write,
+        such as batch-norm statistics), the optimizer step for the second."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        training = torch.cuda.current_stream()
+        self._stream.wait_stream(training)
+        with torch.cuda.stream(self._stream):
+            for name in {blob.name for blob, _ in now + later}:
+                local = tensors[name].to_local() if is_dtensor(tensors[name]) else tensors[name]
+                if local.is_cuda:
+                    local.record_stream(self._stream)  # its memory is not reused before the copy ran
+            self._copy(buffer, tensors, now, non_blocking=True)
+            first = torch.cuda.Event()
+            first.record(self._stream)
+            self._copy(buffer, tensors, later, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        training.wait_event(first)
+        assert fence is not None
+        fence.cuda_recorded(done)
+
+    def close(self) -> None:
+        self._copier.close()

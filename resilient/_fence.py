@@ -1,0 +1,184 @@
+"""Overlapped staging: the optimizer's tensors are copied while training goes on.
+
+Why: a save stalls training for the copy of the rank's state into host memory, and most
+of those bytes (parameters and optimizer state) are written by nothing but
+``optimizer.step()``; forward and backward only read them. So their copy can run while the
+next forward and backward do, and only the next optimizer step has to wait for it (when it
+is still running), as DCP's asynchronous staging does. On CUDA the copy goes on a side
+stream into pinned memory and the optimizer step makes its stream wait on the copy's event:
+the training thread is not held at all. On the CPU a copy thread does it, and the
+optimizer step waits for that thread.
+
+A write to one of those tensors other than by an optimizer step (``p.copy_()``,
+``load_state_dict``) before its copy is complete could tear the snapshot. The version
+counter of every deferred source is read at the save and again when its copy is complete
+or the optimizer gate opens, whichever comes first: a change fails the save with an error
+naming the tensor, never commits a mixed state. (Writes through ``.data`` bypass version
+counters; a loop that does them should use ``staging="sync"``.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._per_rank import PerRank
+
+__all__ = ["StagingFence", "StagingTornError", "optimizer_storages", "open_all", "STAGING_MODES"]
+
+STAGING_MODES = ("auto", "sync", "overlap")
+
+
+class StagingTornError(RuntimeError):
+    """A tensor whose copy was deferred was written before the copy was complete."""
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    from ._snapshot import is_dtensor  # _snapshot stages through this module
+
+    local = t.to_local() if is_dtensor(t) else t
+    return local.untyped_storage().data_ptr()
+
+
+def optimizer_storages(state: Mapping[str, Any]) -> set[int]:
+    """Storages that only an optimizer of ``state`` writes: its parameters and their state.
+
+    Only optimizers found in ``state`` (top level, or wrapped in ``PerRank``) count: the gate
+    opens at their step, so a tensor another optimizer writes is never deferred."""
+    storages: set[int] = set()
+    for value in state.values():
+        inner = value.value if isinstance(value, PerRank) else value
+        if not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                storages.add(_storage_of(param))
+        for per_param in inner.state.values():
+            for tensor in per_param.values() if isinstance(per_param, dict) else ():
+                if isinstance(tensor, torch.Tensor):
+                    storages.add(_storage_of(tensor))
+    return storages
+
+
+class StagingFence:
+    """The deferred part of one snapshot: done when its bytes are in the host buffer.
+
+    ``open_for_writes`` (training thread, before an optimizer step) lets the step write the
+    sources once their copy no longer needs them; ``wait`` (writer thread) returns once the
+    buffer is complete, or raises ``StagingTornError``."""
+
+    def __init__(self, sources: list[tuple[str, torch.Tensor]], on_wait: Callable[[float], None]) -> None:
+        self._sources = [(name, t, t._version) for name, t in sources]
+        self._lock = threading.Lock()
+        self._opened = False
+        self._error: StagingTornError | None = None
+        self._copied = threading.Event()  # CPU: the copy thread finished
+        self._event: Any = None  # CUDA: recorded on the copy stream after the last copy
+        self._on_wait = on_wait
+
+    def _check(self, when: str) -> None:
+        """Record a tear if a source changed since the save; under ``_lock``, before opening."""
+        if self._opened or self._error is not None:
+            return
+        for name, tensor, version in self._sources:
+            if tensor._version != version:
+                self._error = StagingTornError(
+                    f"state tensor {name!r} was written in place {when} before its snapshot was complete, not by an "
+                    "optimizer step; this save is not committed. Write it after the optimizer step, or use "
+                    "Checkpointer(staging='sync')")
+                return
+
+    # -- copy side ---------------------------------------------------------------------------
+    def cuda_recorded(self, event: Any) -> None:
+        self._event = event
+
+    def cpu_copied(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._check("during the copy")
+            if error is not None and self._error is None:
+                self._error = StagingTornError(f"the deferred copy failed: {type(error).__name__}: {error}")
+        self._copied.set()
+
+    # -- training thread ---------------------------------------------------------------------
+    def open_for_writes(self) -> None:
+        started = time.perf_counter()
+        with self._lock:
+            if self._opened:
+                return
+            copying = not self._copied.is_set() if self._event is None else not self._event.query()
+            if copying:  # a write after the copy is complete is harmless
+                self._check("after the save")
+            self._opened = True  # the caller writes only once this returns, after the copy
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)  # the GPU waits, not this thread
+        else:
+            self._copied.wait()
+        self._on_wait(time.perf_counter() - started)
+
+    # -- writer thread -----------------------------------------------------------------------
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            with self._lock:
+                self._check("during the copy")
+        else:
+            self._copied.wait()
+        if self._error is not None:
+            raise self._error
+        _forget(self)
+
+
+_pending: list[StagingFence] = []
+_pending_lock = threading.Lock()
+_hook: Any = None
+
+
+def _forget(fence: StagingFence) -> None:
+    with _pending_lock:
+        if fence in _pending:
+            _pending.remove(fence)
+
+
+def open_all(*_: Any) -> None:
+    """Open every pending fence: before any optimizer step, and before a restore writes."""
+    with _pending_lock:
+        fences = list(_pending)
+        _pending.clear()
+    for fence in fences:
+        fence.open_for_writes()
+
+
+def register(fence: StagingFence) -> None:
+    """Gate every optimizer step on ``fence`` (the hook is global and installed once)."""
+    global _hook
+    with _pending_lock:
+        _pending.append(fence)
+        if _hook is None:
+            _hook = register_optimizer_step_pre_hook(open_all)
+
+
+class CopyThread:
+    """One thread copying deferred CPU blobs, started on first use."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, work: Callable[[], None]) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-stage")
+        self._pool.submit(work)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def deferred_sources(names: Iterable[str], tensors: Mapping[str, torch.Tensor],
+                     storages: set[int]) -> set[str]:
+    """The names among ``names`` whose tensor lives in one of ``storages``."""
+    return {name for name in names if _storage_of(tensors[name]) in storages}

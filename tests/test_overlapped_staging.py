@@ -1,0 +1,110 @@
+"""Overlapped staging (``staging="overlap"``; the default on a GPU): the optimizer's tensors
+are copied while training goes on and the next optimizer step waits for the copy. What is
+committed is exactly the state at ``save``, never a mix with the step after it; a write
+that is not an optimizer step, made before the copy was complete, fails that save naming
+the tensor and leaves the previous checkpoint in place."""
+
+import threading
+
+import pytest
+import torch
+
+from resilient import Checkpointer, CommitError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _build(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, optim
+
+
+def _step(model, optim, i: int) -> None:
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(16, 512, generator=g)
+    optim.zero_grad()
+    model(x).square().mean().backward()
+    optim.step()
+
+
+def _snapshot(model, optim) -> dict:
+    out = {f"p/{k}": v.clone() for k, v in model.state_dict().items()}
+    for pid, st in optim.state_dict()["state"].items():
+        out.update({f"o/{pid}/{k}": v.clone() for k, v in st.items()})
+    return out
+
+
+def _holds(root, step: int, expected: dict) -> None:
+    model, optim = _build(seed=99)  # different weights, a fresh optimizer
+    _step(model, optim, 0)  # give the optimizer state to load into
+    with Checkpointer(root, state={"model": model, "optim": optim}, staging="sync") as ckpt:
+        assert ckpt.restore(step=step) == step
+    got = _snapshot(model, optim)
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_what_commits_is_the_state_at_save_although_the_step_after_runs_at_once(root):
+    model, optim = _build()
+    _step(model, optim, 0)
+    expected = {}
+    with Checkpointer(root, state={"model": model, "optim": optim}, keep=None, staging="overlap") as ckpt:
+        for i in range(1, 6):
+            _step(model, optim, i)
+            expected[i] = _snapshot(model, optim)
+            handle = ckpt.save(i)
+            _step(model, optim, 100 + i)  # the optimizer step right after: it waits for the copy, then writes
+            assert handle.deferred_bytes == sum(v.numel() * v.element_size() for v in expected[i].values())
+        ckpt.wait()
+        assert ckpt.stats["saves_committed"] == 5 and ckpt.stats["staging_wait_s"] >= 0
+    for i in (1, 3, 5):
+        _holds(root, i, expected[i])
+
+
+def test_a_write_that_is_no_optimizer_step_before_the_copy_fails_the_save(root):
+    model, optim = _build()
+    _step(model, optim, 0)
+    with Checkpointer(root, state={"model": model, "optim": optim}, staging="overlap") as ckpt:
+        ckpt.save(1)
+        ckpt.wait()
+        committed = _snapshot(model, optim)
+        held = threading.Event()
+        ckpt._staging._copier.run(held.wait)  # the copy thread is busy: the next copy is queued behind it
+        ckpt.save(2)
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # in place, not by an optimizer step, while its copy has not run
+        held.set()
+        with pytest.raises(CommitError, match=r"'model/0\.weight'.*written in place"):
+            ckpt.wait()
+        assert ckpt.latest() == 1
+    _holds(root, 1, committed)
+
+
+def test_sync_and_auto_on_the_cpu_copy_everything_inside_save(root):
+    model, optim = _build()
+    _step(model, optim, 0)
+    for mode in ("sync", "auto"):
+        with Checkpointer(f"{root}-{mode}", state={"model": model, "optim": optim}, staging=mode) as ckpt:
+            assert ckpt.save(1).deferred_bytes == 0
+    with pytest.raises(ValueError, match="staging must be one of auto, sync, overlap.*'eager'"):
+        Checkpointer(root, staging="eager")
+
+
+def test_restore_waits_for_a_copy_still_reading_the_live_tensors(root):
+    model, optim = _build()
+    _step(model, optim, 0)
+    with Checkpointer(root, state={"model": model, "optim": optim}, keep=None, staging="overlap") as ckpt:
+        ckpt.save(1)
+        ckpt.wait()
+        expected = _snapshot(model, optim)
+        _step(model, optim, 1)
+        expected_2 = _snapshot(model, optim)
+        ckpt.save(2)
+        assert ckpt.restore(step=1) == 1  # overwrites the tensors that step 2's copy reads
+        ckpt.wait()
+        assert ckpt.latest() == 2
+    _holds(root, 1, expected)
+    _holds(root, 2, expected_2)
