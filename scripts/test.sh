@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
-exec "$PY" -m pytest -q "$@"
+exec "$PY" -m pytest -q --durations=15 "$@"
