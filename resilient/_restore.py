@@ -14,14 +14,22 @@ A checksum failure in phase 2 raises ``CheckpointCorruptError``; the caller then
 an older checkpoint, which overwrites everything phase 2 touched.
 
 **Shared reads.** Under several ranks, a tensor every rank needs whole (replicated state,
-as under DDP) is not read by every rank: its bytes are split at chunk boundaries over the
-ranks, each reads and verifies its part, and the parts are broadcast. Storage then serves
-each byte once, not once per rank (8 GPUs per node: 8x less), and each rank checksums
-1/N of it. The ranks agree on what is shared (one small all-gather); each part is
-broadcast as soon as its reader has it, so sharing overlaps reading. A rank whose read
-fails still takes part in every broadcast, and one all-reduce after them tells every rank
-that a read failed: nobody waits for a collective that will not come, and every rank falls
-back together.
+as under DDP) is not read from storage by every rank: its bytes are split at chunk
+boundaries, each rank reads and verifies its part, and the parts are shared. Storage then
+serves each byte once per node, not once per rank (8 GPUs per node: 8x less). The ranks
+agree on what is shared (one small all-gather), then share one of two ways:
+
+* **through the page cache** (host tensors, when the shared bytes fit in half of every
+  rank's available memory): the parts are split over the ranks that see the same step directory (one node);
+  each reads and verifies its own part first, then the others' in turn, which the kernel
+  by then serves from memory (read by their owners meanwhile). One copy per byte, no
+  network stack, no barrier, one small vote; ranks on other nodes read their own copy.
+* **by broadcast** otherwise (and for GPU tensors, which NCCL moves faster): the parts are split over every rank and each is broadcast as
+  soon as its reader has it, so sharing overlaps reading.
+
+Either way, a rank whose read fails still takes part in every collective, and an
+all-reduce after each phase tells every rank that a read failed: nobody waits for a
+collective that will not come, and every rank falls back together.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, MutableMapping
 
@@ -51,6 +60,9 @@ Task = Callable[[], None]
 
 #: a tensor smaller than this is read by every rank that needs it: a broadcast costs more
 SHARE_MIN_BYTES = 1 << 20
+#: ``auto`` (page cache when the shared bytes fit in half the available memory, else
+#: broadcast), ``page-cache`` or ``broadcast``: how ranks share what they read (see above)
+SHARING_ENV = "RESILIENT_RESTORE_SHARING"
 
 
 class OtherRankFailed(Exception):
@@ -345,6 +357,42 @@ def _split_reads(files: dict[str, Any], shared: list[tuple[str, int]], tensors_m
     return plan
 
 
+class _Sharing:
+    """How the shared tensors are read: split over ``group`` (ranks that see this step
+    directory) and shared through the page cache, or over every rank and broadcast
+    (``group`` None)."""
+
+    def __init__(self, coord: Coordinator, tensors: list[tuple[str, int]], group: list[int] | None) -> None:
+        self.coord, self.tensors, self.group = coord, tensors, group
+
+    @property
+    def names(self) -> set[str]:
+        return {name for name, _ in self.tensors}
+
+
+def _place(step_dir: str) -> list[Any]:
+    """What tells ranks reading the same files apart from ranks reading another copy."""
+    st = os.stat(step_dir)
+    return [socket.gethostname(), st.st_dev, st.st_ino]
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0  # unknown: broadcast, which needs no page cache
+
+
+def _through_page_cache(nbytes: int, available: list[int], device: str) -> bool:
+    """Page cache for host tensors that fit; a broadcast for device tensors (NCCL moves them
+    faster than each rank could copy every byte from host memory) or when memory is short."""
+    mode = os.environ.get(SHARING_ENV, "auto")
+    if mode not in ("auto", "page-cache", "broadcast"):
+        raise ValueError(f"{SHARING_ENV} must be auto, page-cache or broadcast, got {mode!r}")
+    return mode == "page-cache" or (mode == "auto" and device == "cpu" and nbytes <= min(available) // 2)
+
+
 def _settle(futures: list["Future[None]"], error: BaseException | None) -> BaseException | None:
     """Wait for every future; the first error (``error`` if already set) is returned."""
     for future in futures:
@@ -374,7 +422,7 @@ def load_checkpoint(
 
     ``coord`` (several ranks, each calling this together): share the reads of tensors every
     rank needs whole (see the module's docstring); a failure on any rank raises on all of
-    them (there ``OtherRankFailed``) before any broadcast.
+    them (there ``OtherRankFailed``), never leaving one in a collective alone.
     """
     together = coord is not None and coord.world_size > 1
     plan: tuple[Any, ...] | None = None
@@ -393,17 +441,22 @@ def load_checkpoint(
     offers = None if plan is None else sorted(
         (name, n) for name, dest in plan[0].items()
         if (n := _shareable(name, dest, manifest["tensors"][name], device)))
-    everyone = coord.all_gather(offers)
+    place = _place(step_dir)
+    everyone = coord.all_gather(None if offers is None else [offers, place, _available_memory()])
     if error is not None:
         raise error
     if any(o is None for o in everyone):
         raise OtherRankFailed(f"another rank could not plan its restore of step {manifest['step']}")
-    common = set(map(tuple, everyone[0]))  # type: ignore[arg-type]
+    common = set(map(tuple, everyone[0][0]))  # type: ignore[index]
     for other in everyone[1:]:
-        common &= set(map(tuple, other))  # type: ignore[arg-type]
+        common &= set(map(tuple, other[0]))  # type: ignore[index]
     assert plan is not None
+    shared = sorted(common)
+    group = None  # every rank computes the same choice from what all of them said
+    if _through_page_cache(sum(n for _, n in shared), [o[2] for o in everyone], device):  # type: ignore[index]
+        group = [r for r, other in enumerate(everyone) if other[1] == place]  # type: ignore[index]
     return _read_and_apply(state, manifest, step_dir, rank, world_size, pool, strict, plan,
-                           (coord, sorted(common)))
+                           _Sharing(coord, shared, group))
 
 
 def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], rank: int, world_size: int,
@@ -459,30 +512,18 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
 def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], step_dir: str, rank: int,
                     world_size: int, pool: Executor, strict: bool,
                     plan: tuple[dict[str, "_Destination"], list["_Entry"], dict[str, Any]],
-                    sharing: tuple[Coordinator, list[tuple[str, int]]] | None) -> dict[str, Any] | None:
-    """Phase 2 (read, verify, share) and the rebuild of the state.
-
-    Shared runs are broadcast in one order on every rank, each as soon as its reader has it,
-    so sharing overlaps reading. A rank whose read failed still takes part in every
-    broadcast (what it sends is then garbage), and the vote after them makes every rank
-    raise: nobody waits for a collective that will not come."""
+                    sharing: _Sharing | None) -> dict[str, Any] | None:
+    """Phase 2 (read, verify, share) and the rebuild of the state."""
     destinations, entries, record = plan
     tensors_meta = manifest["tensors"]
-    runs = _split_reads(manifest["files"], sharing[1], tensors_meta, world_size) if sharing else []
-    shared = {name for name, _ in sharing[1]} if sharing else set()
-    own: dict[int, list[Future[None]]] = {}
-    others: list[Future[None]] = []
+    shared = sharing.names if sharing else set()
     copies: list[Task] = []
-    error: BaseException | None = None
     reader: _Reader | None = None
     try:
+        error: BaseException | None = None
+        others: list[Future[None]] = []
         try:
             reader = _Reader(step_dir, manifest)
-            for i, (name, lo, hi, owner) in enumerate(runs):
-                if owner == rank:
-                    tasks = reader.box_bytes(tensors_meta[name]["boxes"][0]["pieces"], lo,
-                                             _as_bytes(destinations[name].buffer)[lo:hi])
-                    own[i] = [pool.submit(task) for task in tasks]
             for name, dest in destinations.items():
                 if name not in shared:
                     r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
@@ -490,35 +531,101 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
                     copies += c
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
             error = exc
-        works = []
-        with torch.no_grad():
-            for i, (name, lo, hi, owner) in enumerate(runs):
-                dest = destinations[name]
-                part = _as_bytes_tensor(dest.local)[lo:hi]
-                if owner == rank:
-                    error = _settle(own.get(i, []), error)
-                    if error is None and dest.local.data_ptr() != dest.buffer.data_ptr():
-                        part.copy_(_as_bytes_tensor(dest.buffer)[lo:hi])  # to the device it is sent from
-                assert sharing is not None
-                works.append(sharing[0].broadcast(part, owner))
-        error = _settle(others, error)
-        for work in works:
-            work.wait()
+        if sharing is not None and sharing.group is not None:
+            _share_through_page_cache(reader, manifest, destinations, rank, pool, sharing, others, error)
+        elif sharing is not None:
+            _share_by_broadcast(reader, manifest, destinations, rank, world_size, pool, sharing, others, error)
+        else:
+            error = _settle(others, error)
+            if error is not None:
+                raise error
     finally:
         if reader is not None:
             reader.close()
-    if sharing is not None and sharing[0].agree_max(int(error is not None)):
-        raise error or OtherRankFailed(f"another rank could not read its part of step {manifest['step']}")
-    if error is not None:
-        raise error
+    in_place = shared if sharing is not None and sharing.group is None else set()
     with torch.no_grad():
         for task in copies:
             task()
         for name, dest in destinations.items():
-            if name not in shared:  # a shared one is complete where it lives (its buffer is not)
+            if name not in in_place:  # a broadcast one is complete where it lives (its buffer is not)
                 dest.finish()
 
     # -- apply --------------------------------------------------------------------------------
     for entry in entries:
         entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict)
     return record.get("rng")
+
+
+def _runs_read(reader: _Reader | None, runs: list[tuple[str, int, int, int]], mine: Callable[[int], bool],
+               manifest: dict[str, Any], destinations: dict[str, "_Destination"],
+               pool: Executor) -> dict[int, list["Future[None]"]]:
+    """Start reading the runs ``mine(reader index)`` picks, into their destinations' buffers."""
+    assert reader is not None
+    started: dict[int, list[Future[None]]] = {}
+    for i, (name, lo, hi, owner) in enumerate(runs):
+        if mine(owner):
+            tasks = reader.box_bytes(manifest["tensors"][name]["boxes"][0]["pieces"], lo,
+                                     _as_bytes(destinations[name].buffer)[lo:hi])
+            started[i] = [pool.submit(task) for task in tasks]
+    return started
+
+
+def _vote(sharing: _Sharing, error: BaseException | None, manifest: dict[str, Any]) -> None:
+    """Every rank raises if any rank's reads failed (this one's own error first)."""
+    if sharing.coord.agree_max(int(error is not None)):
+        raise error or OtherRankFailed(f"another rank could not read its part of step {manifest['step']}")
+
+
+def _share_through_page_cache(reader: _Reader | None, manifest: dict[str, Any],
+                              destinations: dict[str, "_Destination"], rank: int, pool: Executor,
+                              sharing: _Sharing, others: list["Future[None]"],
+                              error: BaseException | None) -> None:
+    """Read (and verify) every part, this rank's first, then the next ranks' in turn: while
+    this rank reads its part from storage the others read theirs, so when it reaches
+    theirs the kernel serves them from this node's page cache (a page another rank is
+    still reading is waited for, not read twice). No barrier between the parts; one vote
+    at the end."""
+    assert sharing.group is not None
+    me, size = sharing.group.index(rank), len(sharing.group)
+    runs = _split_reads(manifest["files"], sharing.tensors, manifest["tensors"], size)
+    if error is None:
+        try:
+            started = []
+            for turn in range(size):
+                part = (me + turn) % size
+                started += [f for fs in _runs_read(reader, runs, lambda owner: owner == part, manifest,
+                                                   destinations, pool).values() for f in fs]
+            error = _settle(started, None)
+        except BaseException as exc:  # noqa: BLE001 - voted on below
+            error = exc
+    error = _settle(others, error)
+    _vote(sharing, error, manifest)
+
+
+def _share_by_broadcast(reader: _Reader | None, manifest: dict[str, Any], destinations: dict[str, "_Destination"],
+                        rank: int, world_size: int, pool: Executor, sharing: _Sharing,
+                        others: list["Future[None]"], error: BaseException | None) -> None:
+    """Read this rank's runs and broadcast every run in one order on every rank, each as
+    soon as its reader has it. A rank whose read failed still takes part in every broadcast
+    (what it sends is then garbage); the vote after them makes every rank raise."""
+    runs = _split_reads(manifest["files"], sharing.tensors, manifest["tensors"], world_size)
+    own: dict[int, list[Future[None]]] = {}
+    if error is None:
+        try:
+            own = _runs_read(reader, runs, lambda owner: owner == rank, manifest, destinations, pool)
+        except BaseException as exc:  # noqa: BLE001 - voted on below
+            error = exc
+    works = []
+    with torch.no_grad():
+        for i, (name, lo, hi, owner) in enumerate(runs):
+            dest = destinations[name]
+            part = _as_bytes_tensor(dest.local)[lo:hi]
+            if owner == rank:
+                error = _settle(own.get(i, []), error)
+                if error is None and dest.local.data_ptr() != dest.buffer.data_ptr():
+                    part.copy_(_as_bytes_tensor(dest.buffer)[lo:hi])  # to the device it is sent from
+            works.append(sharing.coord.broadcast(part, owner))
+    error = _settle(others, error)
+    for work in works:
+        work.wait()
+    _vote(sharing, error, manifest)

@@ -1,6 +1,7 @@
-"""Replicated state is read once, split over the ranks, and shared by broadcast: every
-rank gets every byte exactly, each rank reads about 1/world of them, and a bad chunk in one
-rank's part makes every rank fall back together."""
+"""Replicated state is read from storage once, split over the ranks, and shared through the
+page cache or by broadcast: every rank gets every byte exactly, each rank has about 1/world
+of them read from storage, and a bad chunk in one rank's part makes every rank fall back
+together."""
 
 import json
 import os
@@ -31,24 +32,33 @@ def saved_by_two(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_each_byte_is_read_once_whatever_the_rank_count(saved_by_two, world):
-    reads = _reads(run_ranks("replicated_restore", world, {"root": saved_by_two, "expect": 2}))
+MODES = ["page-cache", "broadcast"]
+
+
+@pytest.mark.parametrize("world,mode", [(1, "auto"), (2, "page-cache"), (3, "page-cache"), (2, "broadcast"),
+                                        (3, "broadcast")])
+def test_each_byte_is_read_once_whatever_the_rank_count(saved_by_two, world, mode):
+    reads = _reads(run_ranks("replicated_restore", world, {"root": saved_by_two, "expect": 2},
+                             env={"RESILIENT_RESTORE_SHARING": mode}))
     # every rank has every tensor exactly (asserted in the worker); storage served each byte
-    # about once in total, and no rank read much more than its share
-    assert SHARED_BYTES <= sum(reads) < SHARED_BYTES * 1.1 + (1 << 20), reads
-    assert max(reads) < SHARED_BYTES / world * 1.35 + (1 << 20), reads
+    # about once in total (read-ahead aside). A broadcast splits the reads evenly; through
+    # the page cache a rank that is ahead reads on into a slower rank's part itself
+    assert SHARED_BYTES * 0.9 <= sum(reads) < SHARED_BYTES * 1.1 + (1 << 20), reads
+    if mode == "broadcast":
+        assert max(reads) < SHARED_BYTES / world * 1.35 + (1 << 20), reads
 
 
-def test_a_bad_chunk_in_one_ranks_part_makes_every_rank_fall_back(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bad_chunk_in_one_ranks_part_makes_every_rank_fall_back(tmp_path, mode):
     root = str(tmp_path / "ckpt")
     run_ranks("replicated_save", 2, {"root": root})
     flip_byte(os.path.join(root, "step-0000000002", "rank-00001.data"), 100_000)
-    run_ranks("replicated_restore", 2, {"root": root, "expect": 1})  # both ranks load step 1, none hangs
+    # both ranks load step 1, none hangs
+    run_ranks("replicated_restore", 2, {"root": root, "expect": 1}, env={"RESILIENT_RESTORE_SHARING": mode})
 
 
 def test_shared_reads_from_a_node_with_only_the_remote_tier(tmp_path, s3_server):
     remote = {"remote": f"s3://{s3_server['bucket']}/shared-{os.getpid()}", "storage_options": s3_server["options"]}
     run_ranks("replicated_save", 2, {"root": str(tmp_path / "first"), **remote})
     reads = _reads(run_ranks("replicated_restore", 3, {"root": str(tmp_path / "empty"), "expect": 2, **remote}))
-    assert max(reads) < SHARED_BYTES / 3 * 1.35 + (1 << 20), reads
+    assert SHARED_BYTES * 0.9 <= sum(reads) < SHARED_BYTES * 1.1 + (1 << 20), reads

@@ -263,9 +263,21 @@ def _replicated_state(step: int) -> dict:
 
 
 def _bytes_read() -> int:
-    """Bytes this process has read through read syscalls (page cache included)."""
+    """Bytes this process has had read from storage (what the page cache served is not)."""
     with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _evict(root: str) -> None:
+    """Drop every file under ``root`` from the page cache: the next read comes from storage."""
+    for d, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def replicated_save(a: dict) -> None:
@@ -288,6 +300,9 @@ def replicated_restore(a: dict) -> None:
     with Checkpointer(a["root"], remote=a.get("remote"), storage_options=a.get("storage_options")) as ckpt:
         if a.get("remote"):
             ckpt.restore(dict(target))  # fetch first: the download is not what is measured
+        _evict(a["root"])
+        if dist.is_initialized():
+            dist.barrier()  # nobody reads before every rank has evicted
         before = _bytes_read()
         step = ckpt.restore(target)
         read = _bytes_read() - before
