@@ -369,7 +369,7 @@ class Checkpointer:
         """The tensors whose copy may run on while training does (see ``_fence``)."""
         if self.staging == "sync" or (self.staging == "auto" and not Staging.on_device(tensors)):
             return set()
-        return deferred_sources(tensors, tensors, optimizer_storages(state))
+        return deferred_sources(tensors, optimizer_storages(state))
 
     def _count_staging_wait(self, seconds: float) -> None:
         self.stats["staging_wait_s"] += seconds

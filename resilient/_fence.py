@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -178,7 +178,6 @@ class CopyThread:
             self._pool.shutdown(wait=True)
 
 
-def deferred_sources(names: Iterable[str], tensors: Mapping[str, torch.Tensor],
-                     storages: set[int]) -> set[str]:
-    """The names among ``names`` whose tensor lives in one of ``storages``."""
-    return {name for name in names if _storage_of(tensors[name]) in storages}
+def deferred_sources(tensors: Mapping[str, torch.Tensor], storages: set[int]) -> set[str]:
+    """The names of the tensors that live in one of ``storages``."""
+    return {name for name, tensor in tensors.items() if _storage_of(tensor) in storages}

@@ -85,7 +85,7 @@ class SaveJob:
     tree: dict[str, Any]
     rng: dict[str, Any] | None
     handle: SaveHandle
-    fence: StagingFence | None = None  # the buffer is complete once it opens (overlapped staging)
+    fence: StagingFence | None = None  # overlapped staging: the buffer is complete once its wait() returns
 
 
 def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> dict[str, Any]:
