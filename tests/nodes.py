@@ -27,6 +27,7 @@ class Node:
     name: str
     proc: subprocess.Popen
     log_path: str
+    root: str  # its local tier (NODE_ROOT): also how its processes are found
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -43,12 +44,45 @@ class Node:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def readable_log(self, chars: int = 6000) -> str:
+        """The log's tail without torch's C++ backtraces (a warning's 20 frames would push
+        everything that explains a failure out of the tail)."""
+        lines = [line for line in self.log().splitlines()
+                 if not (line.startswith("frame #") or line.startswith("Exception raised from"))]
+        return "\n".join(lines)[-chars:]
+
+    def processes(self) -> list[int]:
+        """The agent and its workers (workers run in sessions of their own): every process
+        with this node's local tier in its environment."""
+        marker = f"NODE_ROOT={self.root}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def dump_stacks(self) -> None:
+        """Every thread's Python stack of the agent and its workers, into the node's log
+        (PYTHONFAULTHANDLER is set for them: SIGABRT makes faulthandler print, then die)."""
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
+
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill()
-            raise AssertionError(f"node {self.name} did not finish within {timeout} s:\n{self.log()[-4000:]}")
+            raise AssertionError(f"node {self.name} did not finish within {timeout} s; its log, ending with "
+                                 f"the stacks of its processes:\n{self.readable_log()}") from None
 
 
 def etcd_v3_flags(endpoint: str, run_id: str, conf: str | None = "lease_ttl=3,last_call_timeout=5") -> list[str]:
@@ -91,7 +125,8 @@ class Cluster:
     def start(self, name: str, *, extra: list[str] | None = None, script_args: list[str] | None = None,
               rdzv: list[str] | None = None, env: dict[str, str] | None = None) -> Node:
         log_path = os.path.join(self.tmp, f"{name}.log")
-        env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": os.path.join(self.tmp, name),
+        root = os.path.join(self.tmp, name)
+        env = {**os.environ, "NODE_NAME": name, "NODE_ROOT": root, "PYTHONFAULTHANDLER": "1",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "RESILIENT_COMMIT_TIMEOUT": "20", **(env or {})}
         rdzv = rdzv or self.rdzv or etcd_v3_flags(self.endpoint, self.run_id)
         remote = ["--remote", self.remote] if self.use_remote else []
@@ -103,7 +138,7 @@ class Cluster:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        node = Node(name, proc, log_path)
+        node = Node(name, proc, log_path, root)
         self.nodes.append(node)
         return node
 
@@ -122,7 +157,7 @@ class Cluster:
                 if predicate(event):
                     return event
             time.sleep(0.1)
-        logs = "\n".join(f"--- {n.name} (exit {n.proc.poll()}):\n{n.log()[-3000:]}" for n in self.nodes)
+        logs = "\n".join(f"--- {n.name} (exit {n.proc.poll()}):\n{n.readable_log(3000)}" for n in self.nodes)
         raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
 
     def workers_of(self, name: str) -> list[int]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters, RendezvousStateError
 
 from resilient import Checkpointer, CommitError
 from resilient.launch._etcd import Etcd, parse_endpoints, same_revision
@@ -185,3 +185,34 @@ def test_dev_etcd_never_gets_one_port_for_clients_and_peers(tmp_path):
     with pytest.raises(RuntimeError, match="address already in use"):
         server.start(timeout=10)
     server.close()
+
+
+def test_shutdown_ends_a_join_in_progress_without_registering_again(etcd_server, run_id):
+    """A join blocked on a gang that never fills (another thread) must end at shutdown, not
+    outlive it under a fresh lease, as a simulated agent stopped at a test's end would."""
+    lone = handler(etcd_server, run_id, 2, 2, join_timeout=30)
+    lone.close_on_shutdown = False
+    outcome: list[BaseException] = []
+
+    def join():
+        try:
+            lone.next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while lone._keeper is None:
+        assert time.monotonic() < deadline, "the join never registered"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    lone.shutdown()
+    thread.join(5)
+    assert not thread.is_alive(), "next_rendezvous kept going after shutdown()"
+    assert time.monotonic() - t0 < 2
+    [error] = outcome
+    assert isinstance(error, RendezvousClosedError) and run_id in str(error)
+    time.sleep(2.5)  # past the lease TTL: no registration of this node is left in etcd
+    nodes, _ = lone.etcd.get_prefix(f"/resilient/{run_id}/nodes/")
+    assert not nodes

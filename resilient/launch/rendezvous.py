@@ -208,6 +208,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # clears this unless its workers succeeded: a node that gives up leaves the gang
         # (spares and survivors carry on) instead of ending the job for everyone.
         self.close_on_shutdown = True
+        self._shut_down = False  # a join in progress (another thread) gives up instead of registering again
 
     # -- RendezvousHandler -------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -228,6 +229,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.etcd.put(self._closed_key, json.dumps({"by": self.node, "at": time.time()}), lease=lease)
 
     def shutdown(self) -> bool:
+        self._shut_down = True
         if self.close_on_shutdown:
             try:
                 self.set_closed()
@@ -320,6 +322,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._joining_since = time.monotonic()
         deadline = self._joining_since + self.conf["join_timeout"]
         while True:
+            if self._shut_down:
+                raise RendezvousClosedError(f"the rendezvous handler of {self.node} for run {self.run_id!r} "
+                                            "was shut down")
             if time.monotonic() > deadline:
                 raise RendezvousTimeoutError(
                     f"no gang of at least {self.min_nodes} node(s) formed for run {self.run_id!r} within "
