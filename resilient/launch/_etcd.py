@@ -1,9 +1,10 @@
 """A small etcd v3 client for the rendezvous: key-value, transactions, leases, one watch.
 
-Built on ``etcd3gw`` (etcd's JSON gateway, ``/v3/``): it is maintained, needs no gRPC or
-protobuf (the ``etcd3`` package fails to import with protobuf 4+), and its only cost is
-base64 in the payloads. What this module adds is what a long training run needs and a
-thin client does not give:
+Speaks etcd's JSON gateway (``/v3/``): no gRPC or protobuf (the ``etcd3`` package fails to
+import with protobuf 4+), at the cost of base64 in the payloads. Requests go through
+:mod:`._etcd_http` (persistent connections, a fraction of ``requests``' CPU per call), watch
+streams too, and errors are ``etcd3gw``'s exception types. What this module adds is what
+a long training run needs and a thin client does not give:
 
 * **several endpoints**: a request that cannot connect moves to the next member, so one
   etcd member down does not stop anyone;
@@ -35,15 +36,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import requests
-from etcd3gw.client import Etcd3Client
-from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+from etcd3gw.exceptions import Etcd3Exception
+
+from ._etcd_http import JsonTransport, Stream, Unreachable
 
 log = logging.getLogger(__name__)
-
-#: Errors meaning "could not talk to etcd", as opposed to "etcd said no".
-UNREACHABLE: tuple[type[BaseException], ...] = (
-    ConnectionFailedError, ConnectionTimeoutError, requests.ConnectionError, requests.Timeout)
 
 
 class EtcdUnavailable(ConnectionError):
@@ -100,32 +97,11 @@ class EtcdSecurity:
         return {k: v for k, v in (("protocol", self.protocol), ("cacert", self.cacert), ("cert", self.cert),
                                   ("key", self.key)) if v}
 
-    def session(self) -> requests.Session:
-        session = _PinnedSession()
-        if self.cacert:
-            session.verify = self.cacert
-        if self.cert and self.key:
-            session.cert = (self.cert, self.key)
-        return session
-
-
-class _PinnedSession(requests.Session):
-    """A session whose CA file and client certificate win over the environment: requests
-    lets ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE`` (often set machine-wide) replace a
-    session's ``verify``, and etcd's private CA would then fail verification."""
-
-    def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
-        settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
-        if self.verify is not True:
-            settings["verify"] = self.verify
-        if self.cert:
-            settings["cert"] = self.cert
-        return settings
 
 
 def _tls_failure(exc: BaseException) -> str | None:
-    """The TLS error behind a failed request, if that is what it was: etcd3gw wraps the
-    requests error, so the SSL reason sits in the exception's chain, not its text."""
+    """The TLS error behind a failed request, if that is what it was: the transport wraps
+    the socket's error, so the SSL reason may sit in the exception's chain."""
     seen: BaseException | None = exc
     for _ in range(8):
         if seen is None:
@@ -198,12 +174,10 @@ class Etcd:
         self.timeout = timeout
         self.security = security or EtcdSecurity()
         self._endpoints = parse_endpoints(endpoints, self.security.protocol)
-        self._session = self.security.session()  # TLS files and the auth token, shared by every call
-        self._clients = [Etcd3Client(host=h, port=p, protocol=proto, timeout=timeout, api_path="/v3/",
-                                     session=self._session)
-                         for proto, h, p in self._endpoints]
+        self._transport = JsonTransport(self._endpoints, timeout=timeout, cacert=self.security.cacert,
+                                        cert=self.security.cert, key=self.security.key)
         # a large gang spreads its requests over the members instead of all loading the first
-        self._current = random.randrange(len(self._clients))
+        self._current = random.randrange(len(self._endpoints))
         self._lock = threading.Lock()
         #: ``"<path> requests"`` and ``"<path> bytes"`` (request + response bodies) per call
         #: path (``/kv/txn``, ``/watch``...): what the scale benchmark divides by agents and rounds
@@ -220,24 +194,34 @@ class Etcd:
             self.stats[f"{path} requests"] += requests
             self.stats[f"{path} bytes"] += nbytes
 
-    def new_session(self) -> requests.Session:
-        """A session for a long-lived stream (a watch): the same TLS files and token."""
-        session = self.security.session()
-        session.headers.update(self._session.headers)
-        return session
+    def watch(self, request: dict[str, Any]) -> Stream:
+        """A watch stream (``/watch``) from the member requests go to, or the next that answers."""
+        last: BaseException | None = None
+        for attempt in range(len(self._endpoints)):
+            with self._lock:
+                index = (self._current + attempt) % len(self._endpoints)
+            try:
+                stream = self._transport.stream(index, "/watch", request)
+            except Unreachable as exc:
+                last = exc
+                continue
+            with self._lock:
+                self._current = index
+            return stream
+        raise EtcdUnavailable(f"etcd at {self.spec} is unreachable: {last}")
 
     def authenticate(self) -> None:
         """Get (or renew) the auth token etcd checks on every request; no-op without a user."""
         if self.security.user is None:
             return
-        self._session.headers.pop("Authorization", None)
+        self._transport.headers.pop("Authorization", None)
         try:
             reply = self._call("/auth/authenticate", {"name": self.security.user, "password": self.security.password},
                                authenticate=False)
         except Etcd3Exception as exc:
             raise EtcdSecurityError(f"etcd at {self.spec} refused user {self.security.user!r}: "
                                     f"{getattr(exc, 'detail_text', exc)}") from None
-        self._session.headers["Authorization"] = reply["token"]
+        self._transport.headers["Authorization"] = reply["token"]
 
     def _call(self, path: str, body: dict[str, Any], *, authenticate: bool = True) -> dict[str, Any]:
         try:
@@ -255,30 +239,25 @@ class Etcd:
 
     def _call_once(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         last: BaseException | None = None
-        for attempt in range(len(self._clients)):
+        for attempt in range(len(self._endpoints)):
             with self._lock:
-                index = (self._current + attempt) % len(self._clients)
-            client = self._clients[index]
+                index = (self._current + attempt) % len(self._endpoints)
             try:
-                result = client.post(client.get_url(path), json=body)
-            except UNREACHABLE as exc:
+                result, nbytes = self._transport.post(index, path, body)
+            except Unreachable as exc:
                 reason = _tls_failure(exc)
                 if reason:
                     raise EtcdSecurityError(
-                        f"TLS with etcd at {client.base_url} failed ({reason[-300:]}); check --rdzv-conf "
+                        f"TLS with etcd at {self._transport.url(index)} failed ({reason[-300:]}); check --rdzv-conf "
                         "cacert= (the CA that signed etcd's certificate), cert= and key= (this client's)"
                     ) from None
                 last = exc
                 continue
             with self._lock:
                 self._current = index
-            self.count(path, len(json.dumps(body)) + len(json.dumps(result)))
+            self.count(path, nbytes)
             return result
         raise EtcdUnavailable(f"etcd at {self.spec} is unreachable: {last}")
-
-    def watch_url(self) -> str:
-        protocol, host, port = self._endpoints[self._current]
-        return f"{protocol}://{host}:{port}/v3/watch"
 
     def local_address(self) -> str:
         """The address of this machine's interface that routes to etcd (what peers can reach)."""
@@ -449,7 +428,7 @@ class _Watch:
         self.changes = changes or Changes()
         self.listed = threading.Event()   # the first list (or resume point) is known
         self._stop = threading.Event()
-        self._response: requests.Response | None = None
+        self._open_stream: Stream | None = None
         self._thread = threading.Thread(target=self._loop, name="resilient-watch", daemon=True)
         self._thread.start()
 
@@ -477,13 +456,13 @@ class _Watch:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._stream(self.etcd.new_session(), self._resume())  # the current auth token each time
+                self._stream(self._resume())
             except Exception as exc:  # noqa: BLE001 - any break means: resume the stream
                 if not self._stop.is_set():
                     log.debug("etcd watch on %s broke (%s); resuming", self.key, exc)
             self._stop.wait(0.2)
 
-    def _stream(self, session: requests.Session, start_revision: int) -> None:
+    def _stream(self, start_revision: int) -> None:
         create: dict[str, Any] = {"key": _b64(self.key), "start_revision": start_revision}
         if self._range_end is not None:
             create["range_end"] = _b64(self._range_end)
@@ -491,10 +470,9 @@ class _Watch:
             create["filters"] = list(self.filters)
         request = {"create_request": create}
         self.etcd.count("/watch", len(json.dumps(request)))
-        with session.post(self.etcd.watch_url(), json=request, stream=True,
-                          timeout=(self.etcd.timeout, None)) as response:
-            self._response = response
-            for line in response.iter_lines():
+        stream = self._open_stream = self.etcd.watch(request)  # with the current auth token
+        try:
+            for line in stream.lines():
                 if self._stop.is_set():
                     return
                 if not line.strip():
@@ -508,21 +486,14 @@ class _Watch:
                     return
                 if result.get("events"):
                     self._apply(result["events"])
+        finally:
+            stream.close()
 
     def resync(self) -> None:
-        """Break the current stream (it may sit on a dead connection); the loop resumes it.
-
-        The stream's socket is shut down rather than the response closed: closing from
-        another thread blocks on the lock the reading thread holds.
-        """
-        response = self._response
-        if response is None:
-            return
-        try:
-            with socket.fromfd(response.raw._fp.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, AttributeError, ValueError):  # already closed or not a socket any more
-            pass
+        """Break the current stream (it may sit on a dead connection); the loop resumes it."""
+        stream = self._open_stream
+        if stream is not None:
+            stream.close()
 
     def close(self) -> None:
         self._stop.set()
