@@ -239,6 +239,10 @@ class Checkpointer:
         )
         self._retention_lock = threading.Lock()
         self._local_catalog = Catalog(self._local_storage)
+        self._uploaded_bytes_seen = 0
+        self._closed = False
+        # last: the uploader's thread calls back into this object (``_on_uploaded``) as soon
+        # as it has drained a step an earlier run left behind, maybe before __init__ returns
         self._uploader: Uploader | None = None
         if self._remote is not None and self._coord.is_leader:
             self._uploader = Uploader(
@@ -253,8 +257,6 @@ class Checkpointer:
                 uploader, m = self._uploader, metrics()
                 m.upload_lag_steps.set_function(lambda: len(uploader.pending()))
                 m.upload_lag_seconds.set_function(uploader.lag_seconds)
-        self._uploaded_bytes_seen = 0
-        self._closed = False
         _OPEN.add(self)
         # SIGTERM / SIGUSR1: the next save() checkpoints that step and exits (see _preempt)
         self._preemption = watch_preemption()

@@ -98,7 +98,10 @@ class Uploader:
                         f"steps {self._queue or 'being listed'} still pending"
                         + (f" (last error: {self.last_error})" if self.last_error else "")
                     )
-                self._cond.wait(left if left is None else min(left, 0.5))
+                if not self._thread.is_alive() and not self._closed:
+                    raise RuntimeError(f"the upload thread to {self.remote.storage.url} died: steps "
+                                       f"{self._queue or 'being listed'} will not be uploaded by this process")
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
 
     def close(self, wait: bool = True) -> None:
         with self._cond:
@@ -191,7 +194,11 @@ class Uploader:
             self._done.add(step)
             self._cond.notify_all()
         if seconds is not None:
-            self.on_uploaded(step, seconds)
+            try:
+                self.on_uploaded(step, seconds)
+            except Exception:  # noqa: BLE001 - the step is uploaded; later steps must still be
+                log.exception("after uploading step %d to %s: the callback failed; uploading goes on",
+                              step, self.remote.storage.url)
 
     def _upload_own(self, step: int) -> None:
         self.uploaded_bytes += copy_step(self.local, self.remote.storage, step, skip_present=True,

@@ -261,3 +261,45 @@ def test_damaged_local_copy_is_replaced_from_the_remote_tier(tmp_path, s3_server
         assert ckpt.restore(target) == 1  # the same step, not an older one
     assert torch.equal(target["w"], state["w"])
     assert any("fetching it again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failing_upload_callback_does_not_stop_the_uploads(tmp_path, caplog):
+    """The uploader's thread calls back into the Checkpointer after each step; an error there
+    (once: a callback that ran before the Checkpointer had finished its __init__) killed the
+    thread, and ``flush()`` then waited forever. Now the uploads go on, the error is logged
+    with the step, and a thread that died anyway makes ``flush()`` fail instead of hang."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+    from resilient._uploader import Uploader
+
+    root, remote = str(tmp_path / "node"), "file://" + str(tmp_path / "remote")
+    with Checkpointer(root, keep=None) as ckpt:  # three steps on the local tier only
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.full((4,), float(step))}, force=True)
+    calls = []
+
+    def on_uploaded(step, seconds):
+        calls.append(step)
+        if step == 1:
+            raise AttributeError("'Checkpointer' object has no attribute '_uploaded_bytes_seen'")
+
+    uploader = Uploader(Catalog(open_storage(root)), open_storage(remote), commits=True, keep_remote=None,
+                        on_uploaded=on_uploaded)
+    try:
+        for step in (1, 2, 3):
+            uploader.enqueue(step)
+        uploader.flush(timeout=30)
+    finally:
+        uploader.close()
+    assert calls == [1, 2, 3]
+    assert remote_steps(remote, {}) == [1, 2, 3]
+    assert any("after uploading step 1" in r.getMessage() for r in caplog.records)
+
+    # a thread that died for another reason: flush() says so instead of waiting forever
+    uploader = Uploader(Catalog(open_storage(root)), open_storage(remote), commits=True, keep_remote=None,
+                        on_uploaded=on_uploaded)
+    uploader.close()
+    uploader._closed = False  # as if the thread had ended without being closed
+    uploader.enqueue(4)
+    with pytest.raises(RuntimeError, match="upload thread .* died"):
+        uploader.flush(timeout=10)
