@@ -76,6 +76,9 @@ def test_tls_problems_are_errors_that_say_so(tls_etcd, case):
     assert time.monotonic() - started < 15  # not an endless "unreachable" retry
     with pytest.raises(EtcdSecurityError, match="cert=.*key="):
         create_handler(_params(server.endpoint, "half", cacert=pki["cacert"], cert=pki["cert"]))
+    # the certificate of one client with the key of another: said at once, naming the files
+    with pytest.raises(EtcdSecurityError, match=f"key={other['key']}: cannot be loaded"):
+        create_handler(_params(server.endpoint, "mismatch", cacert=pki["cacert"], cert=pki["cert"], key=other["key"]))
 
 
 def test_etcd_authentication_from_the_environment(tmp_path, monkeypatch):

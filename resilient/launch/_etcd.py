@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -174,8 +175,12 @@ class Etcd:
         self.timeout = timeout
         self.security = security or EtcdSecurity()
         self._endpoints = parse_endpoints(endpoints, self.security.protocol)
-        self._transport = JsonTransport(self._endpoints, timeout=timeout, cacert=self.security.cacert,
-                                        cert=self.security.cert, key=self.security.key)
+        try:
+            self._transport = JsonTransport(self._endpoints, timeout=timeout, cacert=self.security.cacert,
+                                            cert=self.security.cert, key=self.security.key)
+        except (ssl.SSLError, OSError) as exc:  # not a certificate, or a key that does not match it
+            raise EtcdSecurityError(f"--rdzv-conf cacert={self.security.cacert} cert={self.security.cert} "
+                                    f"key={self.security.key}: cannot be loaded for TLS ({exc})") from None
         # a large gang spreads its requests over the members instead of all loading the first
         self._current = random.randrange(len(self._endpoints))
         self._lock = threading.Lock()

@@ -58,13 +58,14 @@ class JsonTransport:
         conn = pool.get(index)
         if conn is not None:
             return conn, True
+        conn = pool[index] = self._new_connection(index)
+        return conn, False
+
+    def _new_connection(self, index: int) -> http.client.HTTPConnection:
         protocol, host, port = self.endpoints[index]
         if protocol == "https":
-            conn = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._tls)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
-        pool[index] = conn
-        return conn, False
+            return http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._tls)
+        return http.client.HTTPConnection(host, port, timeout=self.timeout)
 
     def _drop(self, index: int) -> None:
         conn = self._local.__dict__.get("pool", {}).pop(index, None)
@@ -104,12 +105,7 @@ class JsonTransport:
     def stream(self, index: int, path: str, body: dict[str, Any]) -> "Stream":
         """Open a long-lived response (a watch) on a connection of its own: connecting is
         bounded by the timeout, waiting for the next event is not."""
-        protocol, host, port = self.endpoints[index]
-        conn: http.client.HTTPConnection
-        if protocol == "https":
-            conn = http.client.HTTPSConnection(host, port, timeout=self.timeout, context=self._tls)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+        conn = self._new_connection(index)
         try:
             conn.connect()
             conn.request("POST", "/v3" + path, json.dumps(body).encode(), self.headers)

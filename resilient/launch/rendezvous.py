@@ -85,17 +85,18 @@ class Round:
     closer: str = ""                                       # opened the round; closes it
     members: list[str] = field(default_factory=list)       # rank order, once running
     store: str = ""                                        # the round's store, once running
-    previous: list[str] = field(default_factory=list)      # members of the last running round
+    previous: list[str] = field(default_factory=list)      # members of the last running round (joining)
     opened: int = 0  # etcd revision at which the round opened (running: kept in the value)
     # seals the round's regroup store and peer-memory channel (``resilient._sealed``): etcd,
     # behind its TLS and authentication, is the one place every agent trusts
     secret: str = field(default="", repr=False)
 
     def encode(self) -> str:
-        data: dict[str, Any] = {"number": self.number, "phase": self.phase, "closer": self.closer,
-                                "previous": self.previous}
-        if self.phase == "running":
+        data: dict[str, Any] = {"number": self.number, "phase": self.phase, "closer": self.closer}
+        if self.phase == "running":  # ``previous`` served the ranking; every watcher would get it again
             data.update(members=self.members, store=self.store, opened=self.opened, secret=self.secret)
+        else:
+            data["previous"] = self.previous
         return json.dumps(data)
 
     @classmethod
