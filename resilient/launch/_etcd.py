@@ -99,7 +99,6 @@ class EtcdSecurity:
                                   ("key", self.key)) if v}
 
 
-
 def _tls_failure(exc: BaseException) -> str | None:
     """The TLS error behind a failed request, if that is what it was: the transport wraps
     the socket's error, so the SSL reason may sit in the exception's chain."""
@@ -498,7 +497,7 @@ class _Watch:
         """Break the current stream (it may sit on a dead connection); the loop resumes it."""
         stream = self._open_stream
         if stream is not None:
-            stream.close()
+            stream.interrupt()
 
     def close(self) -> None:
         self._stop.set()

@@ -151,13 +151,17 @@ class Stream:
             *complete, pending = pending.split(b"\n")
             yield from complete
 
-    def close(self) -> None:
-        """Callable from another thread: shutting the socket down wakes the reader at once
-        (closing the response would wait for the lock the reader holds)."""
+    def interrupt(self) -> None:
+        """From another thread: shutting the socket down wakes the reader at once (closing
+        the response there would wait for the lock the reader holds)."""
         sock = self._conn.sock
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def close(self) -> None:
+        """By the reading thread, when it is done with the stream."""
+        self.interrupt()
         self._conn.close()
