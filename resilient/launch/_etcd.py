@@ -35,13 +35,15 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from etcd3gw.exceptions import Etcd3Exception
 
 from ._etcd_http import JsonTransport, Stream, Unreachable
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EtcdUnavailable(ConnectionError):
@@ -200,19 +202,7 @@ class Etcd:
 
     def watch(self, request: dict[str, Any]) -> Stream:
         """A watch stream (``/watch``) from the member requests go to, or the next that answers."""
-        last: BaseException | None = None
-        for attempt in range(len(self._endpoints)):
-            with self._lock:
-                index = (self._current + attempt) % len(self._endpoints)
-            try:
-                stream = self._transport.stream(index, "/watch", request)
-            except Unreachable as exc:
-                last = exc
-                continue
-            with self._lock:
-                self._current = index
-            return stream
-        raise EtcdUnavailable(f"etcd at {self.spec} is unreachable: {last}")
+        return self._on_a_member(lambda index: self._transport.stream(index, "/watch", request))
 
     def authenticate(self) -> None:
         """Get (or renew) the auth token etcd checks on every request; no-op without a user."""
@@ -242,12 +232,19 @@ class Etcd:
             return self._call_once(path, body)
 
     def _call_once(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        result, nbytes = self._on_a_member(lambda index: self._transport.post(index, path, body))
+        self.count(path, nbytes)
+        return result
+
+    def _on_a_member(self, attempt: Callable[[int], T]) -> T:
+        """``attempt(index)`` on the member requests go to, else on the next ones in turn;
+        the one that answered gets the following requests."""
         last: BaseException | None = None
-        for attempt in range(len(self._endpoints)):
+        for offset in range(len(self._endpoints)):
             with self._lock:
-                index = (self._current + attempt) % len(self._endpoints)
+                index = (self._current + offset) % len(self._endpoints)
             try:
-                result, nbytes = self._transport.post(index, path, body)
+                answer = attempt(index)
             except Unreachable as exc:
                 reason = _tls_failure(exc)
                 if reason:
@@ -259,8 +256,7 @@ class Etcd:
                 continue
             with self._lock:
                 self._current = index
-            self.count(path, nbytes)
-            return result
+            return answer
         raise EtcdUnavailable(f"etcd at {self.spec} is unreachable: {last}")
 
     def local_address(self) -> str:

@@ -91,14 +91,7 @@ class JsonTransport:
                 raise Unreachable(f"{self.url(index)}: {exc}") from exc
             if response.will_close:
                 self._drop(index)
-            text = data.decode(errors="replace")
-            if response.status in RETRY_ELSEWHERE:
-                raise Unreachable(f"{self.url(index)}: HTTP {response.status} {text[:200]}") \
-                    from RETRY_ELSEWHERE[response.status](text, response.reason)
-            if response.status == 500:
-                raise InternalServerError(text, response.reason)
-            if response.status != 200:
-                raise Etcd3Exception(text, response.reason)
+            self._check(index, response, data)
             return json.loads(data), len(payload) + len(data)
         raise AssertionError("unreachable")  # the loop returns or raises
 
@@ -114,12 +107,24 @@ class JsonTransport:
             conn.close()
             raise Unreachable(f"{self.url(index)}: {exc}") from exc
         if response.status != 200:
-            text = response.read().decode(errors="replace")
+            data = response.read()
             conn.close()
-            raise Etcd3Exception(text, response.reason)
+            self._check(index, response, data)
         if conn.sock is not None:
             conn.sock.settimeout(None)
         return Stream(conn, response)
+
+    def _check(self, index: int, response: http.client.HTTPResponse, data: bytes) -> None:
+        """Raise what a status other than 200 means: next member, or etcd's refusal."""
+        if response.status == 200:
+            return
+        text = data.decode(errors="replace")
+        if response.status in RETRY_ELSEWHERE:
+            raise Unreachable(f"{self.url(index)}: HTTP {response.status} {text[:200]}") \
+                from RETRY_ELSEWHERE[response.status](text, response.reason)
+        if response.status == 500:
+            raise InternalServerError(text, response.reason)
+        raise Etcd3Exception(text, response.reason)
 
     def url(self, index: int) -> str:
         protocol, host, port = self.endpoints[index]
