@@ -9,8 +9,8 @@ a long training run needs and a thin client does not give:
 * **several endpoints**: a request that cannot connect moves to the next member, so one
   etcd member down does not stop anyone;
 * **a lease kept alive with retries** (:class:`LeaseKeeper`): a transient error or an etcd
-  restart is retried within the lease's TTL; only a lease the server says is gone, or one
-  not refreshed for a whole TTL, counts as lost (the node is then fenced);
+  restart is retried; a lease not refreshed for a whole TTL is *overdue* (a running node
+  is then fenced), and only a lease the server says is gone is *lost* (register again);
 * **a watch that survives** (:class:`PrefixMirror`): list, then watch from the next
   revision; when the stream breaks (etcd restarted, connection reset) it lists again and
   resumes, so a local mirror of the prefix is always eventually right;
@@ -340,35 +340,48 @@ def exists(key: str) -> dict[str, Any]:
 class LeaseKeeper:
     """Keeps one lease alive from a daemon thread, retrying through etcd hiccups.
 
-    The lease is refreshed every TTL/3. A failed refresh is retried quickly; the lease is
-    declared lost only when etcd answers that it no longer exists, or when no refresh has
-    succeeded for a whole TTL (from then on etcd may have expired it, so this node must act
-    as if it had: stop its workers, commit nothing).
+    The lease is refreshed every TTL/3; a failed refresh is retried quickly. Two states
+    come out of it, because they call for different actions:
+
+    * :attr:`lost`: etcd answered that the lease no longer exists. Whatever was written
+      under it is gone; the node must register again under a fresh lease.
+    * :meth:`overdue`: no refresh was confirmed for a whole TTL (etcd unreachable, or this
+      process too starved to refresh). etcd may have expired the lease, so a node running
+      workers must act as if it had (stop them, commit nothing). But a lease that a later
+      refresh finds alive never expired: nobody saw this node leave, and registering again
+      would only cost the whole gang a round. On a CPU-starved host (a simulation of
+      thousands of agents on two cores) that is what turned late refreshes into a storm
+      of re-registrations.
     """
 
     def __init__(self, etcd: Etcd, ttl: int) -> None:
         self.etcd = etcd
         self.ttl = ttl
+        self._last_ok = time.monotonic()  # before the grant: etcd's clock starts after it
         self.lease = etcd.grant(ttl)
         self.lost = threading.Event()
         self._stop = threading.Event()
-        self._last_ok = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="resilient-lease", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
         while not self._stop.wait(interval if self._healthy() else 0.2):
+            sent = time.monotonic()  # the lease lives TTL from when etcd saw the request at the latest
             try:
                 left = self.etcd.refresh(self.lease)
             except (EtcdUnavailable, Etcd3Exception) as exc:
                 log.warning("etcd lease refresh failed (%s); retrying", exc)
-                left = None
-            if left is not None and left > 0:
-                self._last_ok = time.monotonic()
-            elif left is not None or time.monotonic() - self._last_ok >= self.ttl:
+                continue
+            if left > 0:
+                self._last_ok = sent
+            else:
                 self._declare_lost()
                 return
+
+    def overdue(self) -> bool:
+        """No refresh confirmed for a whole TTL: etcd may have expired the lease."""
+        return self.lost.is_set() or time.monotonic() - self._last_ok >= self.ttl
 
     def _healthy(self) -> bool:
         return time.monotonic() - self._last_ok < self.ttl / 3.0 + 0.5

@@ -256,8 +256,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """
         if self._running is None or self._keeper is None:
             return 0
-        if self._keeper.lost.is_set():
-            return self._restart("fenced", "this node lost its etcd lease", 1)
+        if self._keeper.overdue():  # etcd may have expired it: our workers must not go on
+            return self._restart("fenced", "this node lost its etcd lease (or no refresh was confirmed "
+                                 f"for {self.conf['lease_ttl']:.0f} s)", 1)
         kvs = self._state.snapshot()
         if self._closed_key in kvs or self._round_key not in kvs:
             return 0
@@ -332,6 +333,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     f"join_timeout={self.conf['join_timeout']:.0f} s (etcd {self.etcd.spec})")
             version = self._changes.version
             try:
+                # only a lease etcd says is gone calls for a new one: one merely overdue is
+                # still refreshed, and a write under it, if it did expire, fails (see below)
                 if self._keeper is None or self._keeper.lost.is_set():
                     self._register()
                 info = self._advance() if self._state.listed.is_set() else None
