@@ -13,7 +13,8 @@ def flip_byte(path: str, offset: int, mask: int = 0x80) -> None:
 class TcpProxy:
     """A loopback TCP relay that can be cut: a network partition between one client and a
     server, with no root and no namespaces. ``cut()`` closes every connection and refuses
-    new ones, as a dropped link looks to both ends."""
+    new ones, as a dropped link looks to both ends. ``hold()`` delays every answer (requests
+    still reach the server) until ``release()``: a client too slow to read its replies."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         import socket
@@ -26,6 +27,8 @@ class TcpProxy:
         self._open: list = []
         self._lock = threading.Lock()
         self._cut = False
+        self._answers_flow = threading.Event()
+        self._answers_flow.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -48,13 +51,15 @@ class TcpProxy:
                     upstream.close()
                     continue
                 self._open += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, gate in ((client, upstream, None), (upstream, client, self._answers_flow)):
+                threading.Thread(target=self._pump, args=(src, dst, gate), daemon=True).start()
 
     @staticmethod
-    def _pump(src, dst) -> None:
+    def _pump(src, dst, gate=None) -> None:
         try:
             while data := src.recv(65536):
+                if gate is not None:
+                    gate.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -64,6 +69,12 @@ class TcpProxy:
                     s.close()
                 except OSError:
                     pass
+
+    def hold(self) -> None:
+        self._answers_flow.clear()
+
+    def release(self) -> None:
+        self._answers_flow.set()
 
     def cut(self) -> None:
         import socket

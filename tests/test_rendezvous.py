@@ -216,3 +216,40 @@ def test_shutdown_ends_a_join_in_progress_without_registering_again(etcd_server,
     time.sleep(2.5)  # past the lease TTL: no registration of this node is left in etcd
     nodes, _ = lone.etcd.get_prefix(f"/resilient/{run_id}/nodes/")
     assert not nodes
+
+
+def test_a_late_refresh_fences_the_workers_but_keeps_the_lease(etcd_server, run_id):
+    """A node whose refreshes reach etcd but whose answers come late (a starved host) is
+    fenced while it cannot confirm its lease, yet keeps it: registering again under a new
+    lease would cost every node of the gang a round, for a lease that never expired."""
+    from .faults import TcpProxy
+
+    host, port = etcd_server.endpoint.rsplit(":", 1)
+    proxy = TcpProxy(host, int(port))
+    slow = EtcdV3RendezvousHandler(Etcd(proxy.endpoint, timeout=0.5), run_id, 1, 2, local_addr="127.0.0.1",
+                                   lease_ttl=3, join_timeout=20)
+    watcher = Etcd(etcd_server.endpoint)
+    node_key = f"/resilient/{run_id}/nodes/{slow.node}"
+    try:
+        slow.next_rendezvous()
+        lease = slow._keeper.lease
+        proxy.hold()
+        deadline = time.monotonic() + 6
+        while slow.num_nodes_waiting() == 0:
+            assert time.monotonic() < deadline, "an unconfirmed lease did not fence the node's workers"
+            time.sleep(0.1)
+        assert "lost its etcd lease" in slow.last_change
+        time.sleep(1.5)  # well past the TTL without a confirmed refresh
+        assert watcher.get(node_key) is not None, "etcd expired a lease whose refreshes arrived"
+        proxy.release()
+        deadline = time.monotonic() + 5
+        while slow._keeper.overdue():
+            assert time.monotonic() < deadline, "the lease was not confirmed again after the answers flowed"
+            time.sleep(0.1)
+        assert not slow._keeper.lost.is_set() and slow._keeper.lease == lease
+        info = slow.next_rendezvous()  # re-forms (its workers were stopped) under the same lease
+        assert info.world_size == 1 and slow._keeper.lease == lease
+        assert watcher.get(node_key).lease == lease
+    finally:
+        proxy.release()
+        slow.shutdown()

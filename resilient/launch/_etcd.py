@@ -366,18 +366,23 @@ class LeaseKeeper:
 
     def _loop(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
-        while not self._stop.wait(interval if self._healthy() else 0.2):
+        failing_since: float | None = None  # one warning per outage, not one per retry
+        while not self._stop.wait(interval if self._healthy() else 0.2 if not self.overdue() else 1.0):
             sent = time.monotonic()  # the lease lives TTL from when etcd saw the request at the latest
             try:
                 left = self.etcd.refresh(self.lease)
             except (EtcdUnavailable, Etcd3Exception) as exc:
-                log.warning("etcd lease refresh failed (%s); retrying", exc)
+                if failing_since is None:
+                    failing_since = sent
+                    log.warning("etcd lease refresh failed (%s); retrying", exc)
                 continue
-            if left > 0:
-                self._last_ok = sent
-            else:
+            if left <= 0:
                 self._declare_lost()
                 return
+            if failing_since is not None:
+                log.warning("etcd lease %x refreshed again after %.1f s of failures", self.lease, sent - failing_since)
+                failing_since = None
+            self._last_ok = sent
 
     def overdue(self) -> bool:
         """No refresh confirmed for a whole TTL: etcd may have expired the lease."""
