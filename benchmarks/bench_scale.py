@@ -51,11 +51,14 @@ SIM_SECRET = "the simulated job's secret"  # seals the regroup store, as the age
 #: strace: the query for 1.0.0.127.in-addr.arpa); with no route to any resolver the lookup
 #: fails at once. Both backends connect to TCPStores, so both run there.
 NETNS_ENV = "RESILIENT_BENCH_NETNS"
-#: The agents' processes run at a lower priority than etcd and the c10d store. In a real job
-#: the coordination service has machines of its own; here it shares two cores with a thousand
-#: simulated agents, and at equal priority the kernel gave etcd ~20% of them (its requests
-#: queued for seconds, leases ran out, the gang never formed). The anchor's store gets the
-#: same treatment: it is hosted by the driver, which is not lowered either.
+#: How the rendezvous agents' processes run (both backends alike). A real agent is one process
+#: per node with a handful of threads; here ~128 agents (~500 threads) share one interpreter
+#: lock, and at Python's default 5 ms switch interval every thread waiting for it forced a
+#: hand-off every few milliseconds: most of the CPU went to the kernel, a lease keep-alive
+#: waited over 5 s for its turn, leases expired and 1,024 agents never formed a round. With a
+#: 50 ms interval threads still hand over at every blocking call. The lower priority keeps etcd
+#: and torch's store (hosted by the driver), which in a real job have machines of their own,
+#: from queueing behind the agents. The regroup simulation keeps the defaults.
 AGENT_NICENESS = 10
 AGENT_SWITCH_INTERVAL_S = 0.05
 
