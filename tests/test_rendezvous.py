@@ -92,8 +92,31 @@ def test_round_state_is_compare_and_set(etcd_server, run_id):
     assert Round.decode(etcd.get(key)) == second
 
 
+def test_a_running_round_holds_its_membership_packed_and_decodes_it_exactly():
+    members = [f"node-{i:04d}-{os.getpid()}-{i * 7919 % 65536:04x}" for i in range(1024)]
+    running = Round(3, "running", members[0], members, "127.0.0.1:1", members[::-1], 17, "s")
+    value = running.encode()
+    assert len(value) < len(json.dumps(members)) / 3, "the membership every agent receives is not compact"
+    assert "previous" not in value, "only the closer reads the previous membership: not every watcher"
+    from resilient.launch._etcd import KeyValue
+
+    decoded = Round.decode(KeyValue("/r/state/round", value.encode(), 20, 0))
+    assert decoded.members == members and decoded.store == "127.0.0.1:1" and decoded.opened == 17
+
+
+def _packed(raw: bytes) -> bytes:
+    import base64
+    import zlib
+
+    return base64.b64encode(zlib.compress(raw, 9))
+
+
 @pytest.mark.parametrize("garbage", [b"\x80not json", b'{"number": 1}', b'{"number": 1, "phase": "dancing"}',
-                                     b'{"number": 1, "phase": "running", "members": []}'])
+                                     b'{"number": 1, "phase": "running", "members": []}',
+                                     b'{"number": 1, "phase": "running", "store": "h:1", "opened": 1, "members_z": "%s"}'
+                                     % _packed(b"[" + b'"n",' * (20 << 20) + b'"n"]'),  # a membership bomb
+                                     b'{"number": 1, "phase": "running", "store": "h:1", "opened": 1, "members_z": "@@"}'],
+                         ids=["not-json", "no-phase", "unknown-phase", "no-members", "inflates-past-64MB", "not-base64"])
 def test_corrupt_state_raises_rendezvous_state_error(etcd_server, run_id, garbage):
     Etcd(etcd_server.endpoint).put(f"/resilient/{run_id}/state/round", garbage)
     h = handler(etcd_server, run_id)

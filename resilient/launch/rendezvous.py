@@ -5,9 +5,13 @@ Keys under ``/resilient/<run>/`` (what each agent writes, reads and watches, per
 * ``nodes/<id>``: one per agent, under the agent's lease: its liveness. Written once.
 * ``state/round``: the round: number, phase (``joining`` or ``running``), the agent that
   opened it and closes it (the *closer*) and, once running, the members in rank order and
-  the address of the round's store. Written twice per round (opened, closed), each time by
-  a transaction guarded by the revision the writer read; the revision of the closing write
-  is the fencing token handed to workers. Every agent watches this one key.
+  the address of the round's store (the membership compressed: every agent receives it).
+  Written twice per round (opened, closed), each time by a transaction guarded by the
+  revision the writer read; the revision of the closing write is the fencing token handed
+  to workers. Every agent watches this one key.
+* ``rounds/<round>/previous``: the members of the round before, written with the opening
+  and read by the closer alone (they rank the new round); not under the watched ``state/``,
+  so a re-forming gang of N does not receive N names twice.
 * ``state/closed``: the run finished or was abandoned.
 * ``joins/<round>/<id>``: an agent's join, under its lease (its host name). Joins are
   separate keys, so N agents joining never race on one value (joining is commutative);
@@ -33,12 +37,14 @@ loses nothing.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import secrets
 import socket
 import time
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -76,6 +82,10 @@ DEFAULTS: dict[str, float] = {
 }
 
 
+#: how long a survivor other than the first waits for the first to open the next round
+OPEN_GRACE_S = 1.0
+
+
 @dataclass
 class Round:
     """The content of the ``state/round`` key."""
@@ -85,18 +95,19 @@ class Round:
     closer: str = ""                                       # opened the round; closes it
     members: list[str] = field(default_factory=list)       # rank order, once running
     store: str = ""                                        # the round's store, once running
-    previous: list[str] = field(default_factory=list)      # members of the last running round (joining)
+    previous: list[str] = field(default_factory=list)      # the last running round's members (read apart)
     opened: int = 0  # etcd revision at which the round opened (running: kept in the value)
     # seals the round's regroup store and peer-memory channel (``resilient._sealed``): etcd,
     # behind its TLS and authentication, is the one place every agent trusts
     secret: str = field(default="", repr=False)
 
     def encode(self) -> str:
+        """The key's value. ``previous`` is not in it (see :func:`previous_key`): only the
+        closer needs it, and every agent receives this key; the membership is compressed."""
         data: dict[str, Any] = {"number": self.number, "phase": self.phase, "closer": self.closer}
-        if self.phase == "running":  # ``previous`` served the ranking; every watcher would get it again
-            data.update(members=self.members, store=self.store, opened=self.opened, secret=self.secret)
-        else:
-            data["previous"] = self.previous
+        if self.phase == "running":
+            data.update(members_z=pack_names(self.members), store=self.store, opened=self.opened,
+                        secret=self.secret)
         return json.dumps(data)
 
     @classmethod
@@ -104,11 +115,12 @@ class Round:
         try:
             data = kv.json()
             phase = str(data["phase"])
+            members = unpack_names(data["members_z"]) if "members_z" in data else data.get("members", [])
             state = cls(int(data["number"]), phase, str(data.get("closer", "")),
-                        [str(m) for m in data.get("members", [])], str(data.get("store", "")),
+                        [str(m) for m in members], str(data.get("store", "")),
                         [str(m) for m in data.get("previous", [])],
                         int(data["opened"]) if phase == "running" else kv.mod_revision, str(data.get("secret", "")))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, zlib.error) as exc:
             raise RendezvousStateError(f"etcd key {kv.key!r} does not hold a rendezvous round "
                                        f"({type(exc).__name__}: {exc}); was it written by another tool?") from None
         if state.phase not in ("joining", "running"):
@@ -116,6 +128,45 @@ class Round:
         if state.phase == "running" and not (state.members and state.store):
             raise RendezvousStateError(f"etcd key {kv.key!r}: a running round without members or store")
         return state
+
+
+#: largest membership a round may hold once inflated (a hostile value cannot exhaust memory)
+MAX_MEMBERS_BYTES = 64 << 20
+
+
+def pack_names(names: list[str]) -> str:
+    """A list of node names as compressed text: every agent receives the membership of each
+    round, and names in one job share most of their characters (1,024 simulated agents:
+    ~40 kB of JSON, ~5 kB packed)."""
+    return base64.b64encode(zlib.compress(json.dumps(names).encode(), 6)).decode()
+
+
+def unpack_names(text: str) -> list[str]:
+    inflater = zlib.decompressobj()
+    raw = inflater.decompress(base64.b64decode(text, validate=True), MAX_MEMBERS_BYTES)
+    if inflater.unconsumed_tail:
+        raise ValueError(f"a packed membership inflates beyond {MAX_MEMBERS_BYTES} bytes")
+    names = json.loads(raw)
+    if not isinstance(names, list):
+        raise TypeError("a packed membership is not a list of names")
+    return [str(n) for n in names]
+
+
+def rounds_prefix(prefix: str, number: int) -> str:
+    """Where what only the closer of round ``number`` reads is kept (outside the watched
+    ``state/``): the previous round's members, which rank the new one."""
+    return f"{prefix}rounds/{number}/"
+
+
+def read_previous(etcd: Etcd, prefix: str, number: int) -> list[str]:
+    kv = etcd.get(rounds_prefix(prefix, number) + "previous")
+    if kv is None:
+        return []
+    try:
+        return unpack_names(kv.value.decode())
+    except (ValueError, TypeError, zlib.error, UnicodeDecodeError) as exc:
+        raise RendezvousStateError(f"etcd key {kv.key!r} does not hold a packed membership "
+                                   f"({type(exc).__name__}: {exc}); was it written by another tool?") from None
 
 
 def assign_ranks(joined: list[str], previous: list[str], size: int) -> list[str]:
@@ -142,6 +193,7 @@ class _Closing:
         self.number = number
         self.joins_prefix = f"{prefix}joins/{number}/"
         self.nodes_prefix = prefix + "nodes/"
+        self.previous = read_previous(etcd, prefix, number)
         self.joins = PrefixMirror(etcd, self.joins_prefix, changes=changes)
         self.nodes = PrefixMirror(etcd, self.nodes_prefix, changes=changes)
         self.min_reached_at: float | None = None
@@ -190,6 +242,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._gone: DeletionWatch | None = None     # started at the first round this node sees
         self._closing: _Closing | None = None       # while this node closes an open round
         self._joined: int | None = None             # the round our join key is for
+        self._deferred_open: tuple[int, float] | None = None  # (round, since) we leave to its first survivor
         self._decoded: tuple[int, Round] | None = None
         self._lost_cache: tuple[tuple[int, int, str, int], list[str]] | None = None
         self._server: TCPStore | None = None        # the store this agent hosts (as a closer)
@@ -381,12 +434,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             ours = self._running is not None and self._running.number == state.number
             if me in state.members and not ours:
                 return self._finish(state, revision)
-            if ours or self._lost(state) or len(state.members) < self.max_nodes:
+            lost = self._lost(state)
+            if lost and not self._opens_first(state, lost):
+                return None  # the first survivor opens the next round; the others join it
+            if ours or lost or len(state.members) < self.max_nodes:
                 self._open(state.number + 1, state.members, revision)
             return None  # otherwise: a spare, waiting for a place
 
         if self._gone.gone(state.closer, state.opened) and state.closer != me:
-            self._open(state.number + 1, state.previous, revision)  # the closer was lost
+            # the closer was lost: the round it did not close ranks by the same previous members
+            self._open(state.number + 1, read_previous(self.etcd, self.prefix, state.number), revision)
             return None
         if self._joined != state.number:
             self.etcd.put(f"{self.prefix}joins/{state.number}/{me}", socket.gethostname(), lease=self._lease())
@@ -395,14 +452,30 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._close(state, revision)
         return None
 
+    def _opens_first(self, state: Round, lost: list[str]) -> bool:
+        """Whether this node opens the round after ``state`` lost members now: the first
+        survivor in rank order does at once, any other node only if no round was opened
+        within ``OPEN_GRACE_S`` (the first survivor may be frozen too). All survivors see
+        a loss at the same instant; a thousand racing opens would cost etcd a thousand
+        transactions for one winner."""
+        gone = set(lost)
+        first = next((m for m in state.members if m not in gone), None)
+        if first == self.node:
+            return True
+        if self._deferred_open is None or self._deferred_open[0] != state.number:
+            self._deferred_open = (state.number, time.monotonic())
+        return time.monotonic() - self._deferred_open[1] >= OPEN_GRACE_S
+
     def _open(self, number: int, previous: list[str], expected_revision: int) -> None:
         """Open round ``number`` with this node as its closer, unless someone changed the
         round first (then the watch brings their version). Our lease must be alive: the
         others learn of our loss from its deletion after this write."""
         state = Round(number, "joining", self.node, previous=previous)
+        puts = [(self._round_key, state.encode(), 0)]
+        if previous:
+            puts.append((rounds_prefix(self.prefix, number) + "previous", pack_names(previous), 0))
         self.etcd.transact([same_revision(self._round_key, expected_revision),
-                            exists(self.prefix + "nodes/" + self.node)],
-                           [(self._round_key, state.encode(), 0)])
+                            exists(self.prefix + "nodes/" + self.node)], puts)
 
     def _close(self, state: Round, revision: int) -> None:
         """As closer: once enough live nodes joined, write the membership (once)."""
@@ -421,13 +494,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         late = time.monotonic() - closing.min_reached_at >= self.conf["last_call_timeout"]
         if not (len(joined) >= self.max_nodes or everyone or late):
             return
-        members = assign_ranks(list(joined), state.previous, min(len(joined), self.max_nodes))
+        members = assign_ranks(list(joined), closing.previous, min(len(joined), self.max_nodes))
         running = Round(state.number, "running", self.node, members, self._host_store(),
-                        state.previous, state.opened, new_secret())
+                        closing.previous, state.opened, new_secret())
         if self.etcd.transact([same_revision(self._round_key, revision)],
                               [(self._round_key, running.encode(), 0)]):
             self._stop_closing()
-            self.etcd.delete_prefix(closing.joins_prefix)  # nobody reads a closed round's joins
+            # nobody reads a closed round's joins or its previous membership
+            self.etcd.delete_prefix(closing.joins_prefix)
+            self.etcd.delete_prefix(rounds_prefix(self.prefix, state.number))
 
     def _stop_closing(self) -> None:
         if self._closing is not None:
