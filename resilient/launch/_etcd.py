@@ -345,8 +345,8 @@ class LeaseKeeper:
 
     * :attr:`lost`: etcd answered that the lease no longer exists. Whatever was written
       under it is gone; the node must register again under a fresh lease.
-    * :meth:`overdue`: no refresh was confirmed for a whole TTL (etcd unreachable, or this
-      process too starved to refresh). etcd may have expired the lease, so a node running
+    * :meth:`overdue`: a refresh failed with none confirmed for a whole TTL (etcd
+      unreachable or not answering in time). etcd may have expired the lease, so a node running
       workers must act as if it had (stop them, commit nothing). But a lease that a later
       refresh finds alive never expired: nobody saw this node leave, and registering again
       would only cost the whole gang a round. On a CPU-starved host (a simulation of
@@ -360,6 +360,7 @@ class LeaseKeeper:
         self._last_ok = time.monotonic()  # before the grant: etcd's clock starts after it
         self.lease = etcd.grant(ttl)
         self.lost = threading.Event()
+        self._overdue = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="resilient-lease", daemon=True)
         self._thread.start()
@@ -375,6 +376,8 @@ class LeaseKeeper:
                 if failing_since is None:
                     failing_since = sent
                     log.warning("etcd lease refresh failed (%s); retrying", exc)
+                if time.monotonic() - self._last_ok >= self.ttl:
+                    self._overdue.set()
                 continue
             if left <= 0:
                 self._declare_lost()
@@ -383,10 +386,14 @@ class LeaseKeeper:
                 log.warning("etcd lease %x refreshed again after %.1f s of failures", self.lease, sent - failing_since)
                 failing_since = None
             self._last_ok = sent
+            self._overdue.clear()
 
     def overdue(self) -> bool:
-        """No refresh confirmed for a whole TTL: etcd may have expired the lease."""
-        return self.lost.is_set() or time.monotonic() - self._last_ok >= self.ttl
+        """A refresh failed after a whole TTL without one confirmed: etcd may have expired
+        the lease. Decided when a refresh fails, not while one is on its way: the first
+        request to an etcd that just restarted waits for its leader (a second or two),
+        and etcd's new leader extends every lease, so that wait must not fence anyone."""
+        return self.lost.is_set() or self._overdue.is_set()
 
     def _healthy(self) -> bool:
         return time.monotonic() - self._last_ok < self.ttl / 3.0 + 0.5
