@@ -102,7 +102,7 @@ class Round:
     secret: str = field(default="", repr=False)
 
     def encode(self) -> str:
-        """The key's value. ``previous`` is not in it (see :func:`previous_key`): only the
+        """The key's value. ``previous`` is not in it (see :func:`rounds_prefix`): only the
         closer needs it, and every agent receives this key; the membership is compressed."""
         data: dict[str, Any] = {"number": self.number, "phase": self.phase, "closer": self.closer}
         if self.phase == "running":
