@@ -8,8 +8,9 @@ compare-and-set, so every process reads the same list.
 
 What each process does per generation is a constant number of store operations, whatever
 the size of the gang: it counts itself in (``arrivals/<g>``; the first to arrive is the
-closer), appends its record to ``joins/<g>``, then *waits on a key* (``members/<g>``, then
-``go/<g>``) instead of polling. Only the closer looks at everyone: it reads the append-only
+closer), appends its record to ``joins/<g>``, then *waits on a key* (its seat,
+``seat/<g>/<id>``, then ``go/<g>``) instead of polling: about ten operations per rank per
+regroup. Only the closer reads the member list and looks at everyone: it reads the append-only
 logs (joins, deaths, finishes), and closes generation ``g+1`` once every member of ``g``
 has joined it, finished, or is known dead. Dead is learned three ways, fastest first: the
 member's agent appends it to ``dead`` (it saw the process exit: within the agent's monitor
@@ -18,11 +19,15 @@ local worker's without an agent) stopped moving for ``stale_s`` (a whole node go
 not joined ``join_grace_s`` after the first joiner (alive but stuck; it can join a later
 generation). The closer looks at heartbeats only of the nodes it still waits for. If the
 closer itself dies, a waiter that finds the closer's node silent (or the closer marked
-dead) takes its place. Generation 0 closes when the launcher's whole world has joined.
+dead) takes its place; only the first ``DEPUTIES`` to arrive look at it often, so that
+thousands of waiters do not poll the store. The closer writes the member list, every seat in
+one request, then ``seated/<g>``: a waiter without a seat then knows it was left out, without
+reading the list (O(N) bytes each would be O(N^2) for the gang). Generation 0 closes when the
+launcher's whole world has joined.
 
-A generation's failure is one key, ``failed/<g>``, announced through ``notice/<g>``: every
-member's watcher thread blocks on ``notice/<g>`` (one operation, woken by the store) rather
-than polling. A process that arrives after its generation closed (a replacement started by
+A generation's failure is one key, ``failed/<g>``, announced through ``notice/<g>``, which
+carries the reason: every member's watcher thread blocks on ``notice/<g>`` (one operation,
+woken by the store, then one read) rather than polling. A process that arrives after its generation closed (a replacement started by
 the agent) registers for the next one and sets ``joining/<g>`` and the notice. The members
 see it at their next checkpoint (``Checkpointer.save`` that is due; one tiny collective
 there makes them agree), commit that step and re-form with the newcomer, which restores
@@ -34,13 +39,14 @@ Every value is sealed (``_sealed``): written and read with an HMAC under the job
 from it, so that whoever else reaches the store can neither name nor forge a key.
 
 Keys (all under the namespace): ``hb/<node>``, ``dead`` and ``dead/<id>`` (by agents),
-``done`` (log) and ``done/<g>`` (count), ``arrivals/<g>``, ``joins/<g>``, ``members/<g>``,
-``ready/<g>``, ``go/<g>``, ``latest``, ``failed/<g>``, ``joining/<g>``, ``notice/<g>``,
+``done`` (log) and ``done/<g>`` (count), ``arrivals/<g>``, ``joins/<g>``, ``closer/<g>``,
+``members/<g>``, ``seat/<g>/<id>``, ``seated/<g>``, ``readylog/<g>``, ``ready/<g>``, ``go/<g>``, ``latest``, ``failed/<g>``, ``joining/<g>``, ``notice/<g>``,
 ``finished``, ``elastic``.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -72,6 +78,9 @@ IDLE_WAIT_S = 5.0
 # a newcomer waits this long for the members' next checkpoint before interrupting them
 NEWCOMER_PATIENCE_S = 600.0
 POLL_S = 0.01
+# waiters that watch the closer's health closely (see Regroup._waiter_timeout)
+DEPUTIES = 32
+FAILED = "failed: "  # how a generation's notice begins when it failed (else: "joining")
 
 
 class RegroupError(ResilientError):
@@ -124,12 +133,30 @@ class Generation:
 def partner_of(members: list[Member], rank: int) -> str:
     """The next member on another node keeps a member's peer copies (none on a single node:
     the local disk already outlives a process)."""
-    mine = members[rank]
-    for step in range(1, len(members)):
-        other = members[(rank + step) % len(members)]
-        if other.node != mine.node and other.address:
-            return other.address
-    return ""
+    return partners(members, [rank])[0]
+
+
+def partners(members: list[Member], ranks: list[int] | None = None) -> list[str]:
+    """``partner_of`` for each of ``ranks`` (all by default), looking only at the members
+    that serve peer copies: a closer seats thousands of members, and a scan of the whole
+    list per member (every member, when peer copies are off) would cost it O(N^2)."""
+    ranks = list(range(len(members))) if ranks is None else ranks
+    holders = [i for i, m in enumerate(members) if m.address]
+    per_node: dict[str, int] = {}
+    for i in holders:
+        per_node[members[i].node] = per_node.get(members[i].node, 0) + 1
+    found = []
+    for rank in ranks:
+        node = members[rank].node
+        if per_node.get(node, 0) == len(holders):  # nobody elsewhere serves copies
+            found.append("")
+            continue
+        start = bisect.bisect_right(holders, rank)
+        step = 0
+        while members[holders[(start + step) % len(holders)]].node == node:
+            step += 1  # at most the holders of our own node
+        found.append(members[holders[(start + step) % len(holders)]].address)
+    return found
 
 
 def parse_address(value: str) -> tuple[str, int, str]:
@@ -252,6 +279,9 @@ class Regroup:
         self._watching: int | None = None   # generation whose failed flag interrupts us
         self.join_pending = False           # a newcomer waits to join the running generation
         self._on_failure: Callable[[str], None] | None = None
+        self._failure_known: int | None = None  # the last generation we know failed (reported or told)
+        self._arrival = 0                    # our arrival order in the generation we are joining
+        self._closer_of: int | None = None   # the generation we close (first to arrive, or replacing)
         self._stop = threading.Event()
         self._watch_changed = threading.Event()
         self._store.set("elastic", "1")
@@ -268,7 +298,8 @@ class Regroup:
         """Join the next generation (the first one, or after ``previous`` failed); return it,
         or None when the job already finished (a replacement that arrived too late)."""
         self._watching = None
-        if self._store.check(["finished"]):
+        # a member of a failing generation has not finished, so the job has not either
+        if previous is None and self._store.check(["finished"]):
             return None
         if previous is not None:
             target = previous.number + 1
@@ -290,7 +321,8 @@ class Regroup:
 
     def _join(self, target: int, deadline: float, previous: Generation | None) -> Generation | None:
         me = Member(self.me, self.node, self._rank, self.memory_address)
-        closer = self._store.add(f"arrivals/{target}", 1) == 1
+        self._arrival = self._store.add(f"arrivals/{target}", 1)
+        closer = self._arrival == 1
         self._store.append(f"joins/{target}", json.dumps(asdict(me)))
         if previous is None and target > 0:  # a replacement (or a retry): who ran before us?
             previous = self._generation(target - 1)
@@ -299,7 +331,8 @@ class Regroup:
             # members checkpoint at their next step and re-form (``join_pending``)
             self._store.set(f"joining/{target - 1}", self.me)
             self._store.compare_set(f"notice/{target - 1}", "", "joining")
-        elif previous is not None:  # a member that failed: the others may not have noticed yet
+        elif previous is not None and self._failure_known != target - 1:
+            # a member that failed and did not say so: the others may not have noticed yet
             raise_failed(self._store, target - 1, f"{self.me} re-forms generation {target}")
         if closer:
             self._store.set(f"closer/{target}", self._closer_record())
@@ -307,16 +340,20 @@ class Regroup:
         return self._wait_seat(target, deadline)
 
     def _waiter_timeout(self) -> float:
-        """How long a waiter sleeps between looks at the closer's health: long enough that
-        thousands of waiters cost the store little, short enough to replace a dead closer."""
-        return max(2.0 * self.stale_s, 1.0)
+        """How long a waiter sleeps between looks at the closer's health. The first
+        ``DEPUTIES`` to arrive look every ``2 * stale_s`` (one of them replaces a dead
+        closer); the rest ten times less often, so that thousands of waiters cost the store
+        little and still replace the closer if every deputy died with it."""
+        base = max(2.0 * self.stale_s, 1.0)
+        return base if self._arrival <= DEPUTIES + 1 else 10 * base
 
     def _closer_record(self) -> str:
         return json.dumps({"id": self.me, "node": self.node})
 
     def _wait_seat(self, target: int, deadline: float) -> Generation | None:
         """Wait on our seat in generation ``target`` (None: it closed without us); take over
-        closing if the closer died meanwhile."""
+        closing if the closer died meanwhile. A waiter never reads the member list: the
+        closer seats every member and then says ``seated/<target>``."""
         key = f"seat/{target}/{self.me}"
         beats: dict[str, tuple[int, float]] = {}
         while True:
@@ -325,10 +362,10 @@ class Regroup:
                 return Generation.from_seat(self._store.get(key))
             except dist.DistStoreError:
                 pass
-            if self._store.check([f"members/{target}"]):
-                # closed, and no seat for us yet: the list says (a closer that died between
-                # writing the list and the seats costs each waiter one read of it)
-                return Generation.from_members(self._store.get(f"members/{target}"), self.me)
+            if self._store.check([f"seated/{target}"]):
+                if self._store.check([key]):  # written just after the wait gave up
+                    return Generation.from_seat(self._store.get(key))
+                return None  # closed without us
             if time.monotonic() > deadline:
                 raise RegroupError(f"generation {target} did not form within {self.timeout:.0f} s")
             if self._closer_dead(target, beats):
@@ -356,6 +393,7 @@ class Regroup:
         arrivals stalled, and asks for heartbeats only once they stalled (then only the
         missing members' nodes): a gang of thousands arriving costs it little.
         """
+        self._closer_of = target
         if previous is not None:
             self.members(previous)  # the closer looks at everyone: it reads the list once
         joins = _Log(self._store, f"joins/{target}")
@@ -370,6 +408,7 @@ class Regroup:
             stalled = progress.update(count)
             if count >= need or (stalled and progress.due()):
                 if self._store.check([f"members/{target}"]):
+                    self._seat_listed(target)  # the closer before us died after writing the list
                     return
                 joined = {m.id: m for m in map(_decode_member, joins.read())}
                 gone = set(dead.read()) | set(done.read())
@@ -398,15 +437,30 @@ class Regroup:
         proposal = Generation.encode_members(target, members)
         if self._store.compare_set(f"members/{target}", "", proposal).decode() != proposal:
             return  # another closer won; it seats its members
-        seats = [Generation(target, rank, len(members), partner_of(members, rank)).seat()
-                 for rank in range(len(members))]
+        self._write_seats(target, members)
+
+    def _write_seats(self, target: int, members: list[Member]) -> None:
+        """Every member's seat in one request, then ``seated/<target>``: from then on a
+        waiter without a seat knows it is not in the generation."""
+        seats = [Generation(target, rank, len(members), partner).seat()
+                 for rank, partner in enumerate(partners(members))]
         self._store.multi_set([f"seat/{target}/{m.id}" for m in members], seats)
+        self._store.set(f"seated/{target}", "1")
+
+    def _seat_listed(self, target: int) -> None:
+        """Seat the members of a list another closer wrote (it may have died before seating
+        them; seats are a function of the list, so writing them twice is harmless)."""
+        if not self._store.check([f"seated/{target}"]):
+            self._write_seats(target, self._list(target))
 
     def members(self, gen: Generation) -> list[Member]:
         """Generation ``gen``'s member list, read once (O(N) bytes) and kept."""
         if gen.members is None:
-            gen.members = [Member(**m) for m in json.loads(self._store.get(f"members/{gen.number}"))["members"]]
+            gen.members = self._list(gen.number)
         return gen.members
+
+    def _list(self, number: int) -> list[Member]:
+        return [Member(**m) for m in json.loads(self._store.get(f"members/{number}"))["members"]]
 
     def _may_close(self, target: int, previous: Generation | None, joined: dict[str, Member],
                    gone: set[str], beats: dict[str, tuple[int, float]], first_join: float,
@@ -460,7 +514,7 @@ class Regroup:
         if self._store.add(f"ready/{gen.number}", 1) == gen.world_size:
             self._store.compare_set(f"go/{gen.number}", "", "go")
             self._store.set("latest", str(gen.number))
-        closing = json.loads(self._store.get(f"closer/{gen.number}"))["id"] == self.me
+        closing = self._closer_of == gen.number  # (or we replace a closer that died: below)
         beats: dict[str, tuple[int, float]] = {}
         dead, ready = _Log(self._store, "dead"), _Log(self._store, f"readylog/{gen.number}")
         key = f"go/{gen.number}"
@@ -511,6 +565,7 @@ class Regroup:
 
     def report_failure(self, gen: Generation, reason: str) -> None:
         self._watching = None
+        self._failure_known = gen.number
         try:
             raise_failed(self._store, gen.number, f"{self.me}: {reason}")
         except Exception as exc:
@@ -553,10 +608,12 @@ class Regroup:
                     store.wait([key], timedelta(seconds=interval))
                 except dist.DistStoreError:
                     continue  # nothing yet
-                if store.check([f"failed/{watching}"]):
-                    reason = store.get(f"failed/{watching}").decode()
+                value = store.get(key).decode()
+                if self.join_pending or value.startswith(FAILED):
+                    reason = value[len(FAILED):] if value.startswith(FAILED) else value
                     if self._watching == watching and self._on_failure is not None and not self._stop.is_set():
                         self._watching = None
+                        self._failure_known = watching
                         self._on_failure(reason)
                 elif self._watching == watching:
                     self.join_pending = True
@@ -566,9 +623,10 @@ class Regroup:
 
 
 def raise_failed(store: Any, number: int, reason: str) -> None:
-    """Fail generation ``number`` (the first reason stays) and wake its members' watchers."""
-    store.compare_set(f"failed/{number}", "", reason[:500])
-    store.compare_set(f"notice/{number}", "", "failed")
+    """Fail generation ``number`` (the first reason stays) and wake its members' watchers;
+    the notice carries the reason, so that a woken watcher reads one key."""
+    first = store.compare_set(f"failed/{number}", "", reason[:500]).decode()
+    store.compare_set(f"notice/{number}", "", FAILED + first)
 
 
 def mark_dead(store: Any, member_id: str) -> None:

@@ -1,4 +1,4 @@
-"""Property tests: the resharding arithmetic and the on-disk format."""
+"""Property tests: the resharding arithmetic, the on-disk format, the regroup seating."""
 
 import json
 import math
@@ -12,6 +12,7 @@ from resilient import Checkpointer, UnsupportedStateError
 from resilient._errors import CheckpointCorruptError
 from resilient._format import decode_manifest
 from resilient._layout import Box, chunk_bounds, contiguous_range, even_split, intersect, replicated_slices, shard_box
+from resilient._regroup import Member, partners
 
 sizes_st = st.lists(st.integers(0, 5000), min_size=1, max_size=12)
 
@@ -173,3 +174,18 @@ def test_decode_manifest_rejects_garbage_with_one_error_type(junk):
             decode_manifest(json.dumps(doc).encode(), "m.json")
         except CheckpointCorruptError:
             pass
+
+
+members_st = st.lists(st.tuples(st.integers(0, 4), st.booleans()), min_size=1, max_size=40)
+
+
+@given(members_st)
+def test_every_partner_is_the_next_peer_copy_server_on_another_node(layout):
+    """Seating thousands of members looks only at the ones serving peer copies; it must pick
+    what the definition says: the first member after, circularly, on another node, with an
+    address (none when no other node serves)."""
+    members = [Member(f"m{i}", f"node{n}", i, f"10.0.0.{i}:1" if serves else "") for i, (n, serves) in enumerate(layout)]
+    for rank, partner in enumerate(partners(members)):
+        after = members[rank + 1:] + members[:rank]
+        expected = next((m.address for m in after if m.node != members[rank].node and m.address), "")
+        assert partner == expected
