@@ -80,6 +80,7 @@ NEWCOMER_PATIENCE_S = 600.0
 POLL_S = 0.01
 # waiters that watch the closer's health closely (see Regroup._waiter_timeout)
 DEPUTIES = 32
+CONNECT_ATTEMPTS = 3  # see connect(): a whole gang's workers connect at one instant
 FAILED = "failed: "  # how a generation's notice begins when it failed (else: "joining")
 
 
@@ -169,11 +170,25 @@ def parse_address(value: str) -> tuple[str, int, str]:
         raise RegroupError(f"{ENV}={value!r} is not HOST:PORT/TOKEN") from None
 
 
-def connect(address: str, secret: str, timeout: float) -> SealedStore:
-    """A sealed, counting client of the regroup store at ``address`` (``host:port/round``)."""
+def connect(address: str, secret: str, timeout: float, attempts: int = 1) -> SealedStore:
+    """A sealed, counting client of the regroup store at ``address`` (``host:port/round``).
+
+    ``attempts``: when thousands of workers connect at one instant, the store host's listen
+    queue overflows and the kernel drops connection requests, each retried only after 1, 3,
+    7 s: a worker may wait longer than one ``timeout`` (the limit of every later request
+    too, so not raised for that). Each attempt gets ``timeout`` again."""
     host, port, round_id = parse_address(address)
     namespace = derive(secret, f"regroup-store:{round_id}")[:32]
-    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    for attempt in range(1, attempts + 1):
+        try:
+            client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                                   wait_for_workers=False)
+            break
+        except dist.DistNetworkError:
+            if attempt == attempts:
+                raise
+            log.info("resilient: the regroup store at %s:%d did not answer within %.0f s; connecting again",
+                     host, port, timeout)
     return SealedStore(CountingStore(dist.PrefixStore(f"{namespace}/", client)), secret, namespace)
 
 
@@ -270,8 +285,8 @@ class Regroup:
         self.stale_s, self.join_grace_s, self.timeout = stale_s, join_grace_s, timeout
         try:
             # two clients: the watcher blocks in waits that must not hold up the main thread
-            self._store = connect(address, secret, 10.0)
-            self._watch_store = connect(address, secret, 10.0)
+            self._store = connect(address, secret, 10.0, attempts=CONNECT_ATTEMPTS)
+            self._watch_store = connect(address, secret, 10.0, attempts=CONNECT_ATTEMPTS)
         except Exception as exc:
             raise RegroupError(f"cannot reach the regroup store at {host}:{port}: {exc}") from exc
         self._rank = rank
