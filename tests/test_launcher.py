@@ -14,6 +14,9 @@ import pytest
 from .nodes import alive, etcd_v3_flags
 
 pytestmark = pytest.mark.timeout(150)
+# steps of a run that only has to outlast one fault and its restart (the default, 200, leaves
+# a late joiner or a spare time to come in)
+SHORT_RUN = 120
 
 
 def first_steps(cluster, after: float) -> list[dict]:
@@ -33,6 +36,7 @@ def test_lone_node_starts_at_once_and_finishes(cluster):
 
 
 def test_killed_node_survivor_resumes_from_checkpoint(cluster):
+    cluster.steps = SHORT_RUN  # enough to outlast the fault and a restart; not a late join
     nodes = {"a": cluster.start("a"), "b": cluster.start("b")}
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
     # the victim is the rank-0 node: it hosts the round's store (fatal with torchrun's c10d)
@@ -71,6 +75,7 @@ def test_repeated_worker_restarts_do_not_hang(cluster):
 def test_hung_rank_is_a_failed_rank(cluster):
     """A worker stuck in a step (no crash, no lost node) must not stall the gang for gloo's
     30 minutes: its watchdog and its peers' see no progress and exit; the gang restarts."""
+    cluster.steps = SHORT_RUN  # enough to outlast the fault and a restart; not a late join
     env = {"RESILIENT_HANG_TIMEOUT": "3", "RESILIENT_FAULT": "hang:rank=1,step=40"}
     a, b = cluster.start("a", env=env), cluster.start("b", env=env)
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "world 2")
@@ -82,6 +87,7 @@ def test_hung_rank_is_a_failed_rank(cluster):
 
 
 def test_frozen_node_is_detected_by_lease_expiry(cluster):
+    cluster.steps = SHORT_RUN  # enough to outlast the fault and a restart; not a late join
     a, b = cluster.start("a"), cluster.start("b")
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
     frozen_at = time.time()
