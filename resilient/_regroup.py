@@ -27,8 +27,9 @@ launcher's whole world has joined.
 
 A generation's failure is one key, ``failed/<g>``, announced through ``notice/<g>``, which
 carries the reason: every member's watcher thread blocks on ``notice/<g>`` (one operation,
-woken by the store, then one read) rather than polling. A process that arrives after its generation closed (a replacement started by
-the agent) registers for the next one and sets ``joining/<g>`` and the notice. The members
+woken by the store, then one read) rather than polling. A process that arrives after its
+generation closed (a replacement started by the agent) registers for the next one and sets
+``joining/<g>`` and the notice. The members
 see it at their next checkpoint (``Checkpointer.save`` that is due; one tiny collective
 there makes them agree), commit that step and re-form with the newcomer, which restores
 it: growing loses no steps and costs the other steps nothing. If no checkpoint comes for
@@ -40,8 +41,9 @@ from it, so that whoever else reaches the store can neither name nor forge a key
 
 Keys (all under the namespace): ``hb/<node>``, ``dead`` and ``dead/<id>`` (by agents),
 ``done`` (log) and ``done/<g>`` (count), ``arrivals/<g>``, ``joins/<g>``, ``closer/<g>``,
-``members/<g>``, ``seat/<g>/<id>``, ``seated/<g>``, ``readylog/<g>``, ``ready/<g>``, ``go/<g>``, ``latest``, ``failed/<g>``, ``joining/<g>``, ``notice/<g>``,
-``finished``, ``elastic``.
+``members/<g>``, ``seat/<g>/<id>``, ``seated/<g>``, ``readylog/<g>``, ``ready/<g>``,
+``go/<g>``, ``latest``, ``failed/<g>``, ``joining/<g>``, ``notice/<g>``, ``finished``,
+``elastic``.
 """
 
 from __future__ import annotations
@@ -380,9 +382,8 @@ class Regroup:
             except dist.DistStoreError:
                 pass
             if self._store.check([f"seated/{target}"]):
-                if self._store.check([key]):  # written just after the wait gave up
-                    return Generation.from_seat(self._store.get(key))
-                return None  # closed without us
+                # closed: our seat was written just after the wait gave up, or we were left out
+                return Generation.from_seat(self._store.get(key)) if self._store.check([key]) else None
             if time.monotonic() > deadline:
                 raise RegroupError(f"generation {target} did not form within {self.timeout:.0f} s")
             if self._closer_dead(target, beats):
