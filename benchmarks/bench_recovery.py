@@ -11,6 +11,9 @@ Faults, injected after training settles at world size 2:
 * ``node``:   SIGKILL a node: its agent and its workers;
 * ``frozen``: SIGSTOP a node: agent and workers (no TCP reset; peers just block);
 * ``spare``:  SIGKILL a node while a third agent waits as a spare (``--nnodes=1:2``);
+* ``storehost``: SIGKILL the node of rank 0, whose agent hosts the in-process regroup store
+  (and, under c10d, the rendezvous store): in-process, the survivor re-forms through the
+  standby store that its own agent hosts;
 * ``hung``:   rank 1 stops inside step 60 (``RESILIENT_FAULT=hang``): no crash, no lost node.
   resilient-run's runs set ``RESILIENT_HANG_TIMEOUT=5``; torchrun's keep its defaults.
 
@@ -26,7 +29,7 @@ Both launchers use their defaults except ``--max-restarts=3`` (torchrun's defaul
 the job at the first failure) and, for the spare scenario, a third agent. A run that does
 not resume within ``--give-up`` seconds is reported as such.
 
-    python benchmarks/bench_recovery.py [--repeats 2] [--scenarios worker,node,frozen,spare]
+    python benchmarks/bench_recovery.py [--repeats 2] [--scenarios worker,node,frozen,spare,hung,storehost]
 """
 
 from __future__ import annotations
@@ -76,16 +79,20 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         if launcher.startswith("resilient"):
             env["RESILIENT_HANG_TIMEOUT"] = str(HANG_TIMEOUT)
     try:
-        cluster.start("a", env=env)
-        time.sleep(1.0)  # "a" first: with c10d it hosts the store, and it is never the victim
-        victim = cluster.start("b", env=env)
+        nodes = {"a": cluster.start("a", env=env)}
+        time.sleep(1.0)  # "a" first: with c10d it hosts the store, and it is the victim only in storehost
+        nodes["b"] = victim = cluster.start("b", env=env)
         if scenario == "spare":
             cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2, 120, "world 2")
             cluster.start("c")
         cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= 40, 120,
                          "training at world 2")
         time.sleep(3 if scenario == "spare" else 0.5)  # the spare registers
-        survivor_workers = [psutil.Process(p) for p in cluster.workers_of("a") if psutil.pid_exists(p)]
+        if scenario == "storehost":
+            victim = nodes[next(e["node"] for e in reversed(cluster.events()) if e["event"] == "start"
+                                and e["rank"] == 0)]
+        survivor = "b" if victim.name == "a" else "a"
+        survivor_workers = [psutil.Process(p) for p in cluster.workers_of(survivor) if psutil.pid_exists(p)]
         old_workers = set(cluster.workers_of("a") + cluster.workers_of("b") + cluster.workers_of("c"))
         fault = time.time()
         if scenario == "hung":  # the fault is the step that never finished
@@ -95,10 +102,10 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
             survivor_workers = [psutil.Process(p) for p in old_workers if psutil.pid_exists(p)]
         elif scenario == "worker":
             os.kill(cluster.workers_of("b")[-1], signal.SIGKILL)
-        elif scenario in ("node", "spare"):
-            victim.signal_all(signal.SIGKILL, cluster.workers_of("b"))
+        elif scenario in ("node", "spare", "storehost"):
+            victim.signal_all(signal.SIGKILL, cluster.workers_of(victim.name))
         elif scenario == "frozen":
-            victim.signal_all(signal.SIGSTOP, cluster.workers_of("b"))
+            victim.signal_all(signal.SIGSTOP, cluster.workers_of(victim.name))
         # the gang knows it must re-form: a worker of the survivors is stopped or fails, or
         # (in-process) reports the failure and stays
         detected = _first_failure_reported(log, fault, give_up) if in_process else \

@@ -239,7 +239,7 @@ def serve_regroup(conn: Any, spec: Spec) -> None:
 
     try:
         for n in spec.indices:
-            agents[n] = InProcessRecovery(spec.endpoint, None, f"node{n}", secret=SIM_SECRET)
+            agents[n] = InProcessRecovery(spec.endpoint, [], f"node{n}", secret=SIM_SECRET)
     except Exception as exc:  # noqa: BLE001
         conn.send(("error", f"creating node {len(agents)} of {len(spec.indices)} in one process: "
                             f"{type(exc).__name__}: {exc}"))

@@ -42,7 +42,7 @@ from ._checkpointer import Checkpointer
 from ._errors import GangChange, ResilientError, StateError, UnsupportedStateError
 from ._events import EventLog
 from ._peer_memory import PeerMemory, interface_towards
-from ._regroup import (AGENT_HEARTBEAT_ENV, ENV, NODE_ENV, Generation, Regroup, RegroupError, parse_address,
+from ._regroup import (AGENT_HEARTBEAT_ENV, ENV, NODE_ENV, STANDBY_ENV, Generation, Regroup, RegroupError, parse_address,
                        peer_token, secret_from_env)
 from ._watchdog import HANG_EXIT_CODE
 
@@ -199,6 +199,7 @@ class ElasticRuntime:
         group = Regroup(address, secret=secret, node=node,
                         rank=int(os.environ.get("RANK", "0")),
                         initial_world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                        standby=os.environ.get(STANDBY_ENV, ""),
                         memory_address=memory.address if memory else "",
                         stale_s=_env_seconds("RESILIENT_HEARTBEAT_TIMEOUT", 1.0),
                         # one heartbeat per node: the agent's, else the node's first worker's

@@ -35,6 +35,13 @@ there makes them agree), commit that step and re-form with the newcomer, which r
 it: growing loses no steps and costs the other steps nothing. If no checkpoint comes for
 ``NEWCOMER_PATIENCE_S``, the newcomer raises the *failed* flag instead.
 
+The store lives in the rank-0 agent; a second, empty one (the *standby*, in another node's
+agent) receives copies of what the gang needs to go on: each generation's member list, the
+latest generation, the committed manifests' digests. When the first store's node is lost, its
+workers' store calls fail; each waits in the standby until the agents, told by etcd's lease
+expiry, set ``primary_lost`` there, then re-forms from the generation it ran, through the
+standby: the in-process path survives the loss of either store's node.
+
 Every value is sealed (``_sealed``): written and read with an HMAC under the job's secret
 (``RESILIENT_REGROUP_SECRET``, handed to workers by their agent), in a namespace derived
 from it, so that whoever else reaches the store can neither name nor forge a key.
@@ -52,6 +59,7 @@ import bisect
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -65,11 +73,21 @@ from ._errors import ResilientError
 from ._sealed import SealedStore, derive
 
 __all__ = ["Member", "Generation", "Regroup", "RegroupError", "parse_address", "raise_failed", "ENV", "NODE_ENV",
-           "AGENT_HEARTBEAT_ENV", "HEARTBEAT_S", "SECRET_ENV", "connect", "peer_token", "secret_from_env"]
+           "AGENT_HEARTBEAT_ENV", "HEARTBEAT_S", "SECRET_ENV", "STANDBY_ENV", "PRIMARY_LOST", "connect", "peer_token",
+           "secret_from_env"]
 
 log = logging.getLogger("resilient")
 
 ENV = "RESILIENT_REGROUP_STORE"  # host:port/round-id, set by resilient-run's agent
+# A second store, hosted by another node's agent, that takes over when the first one's node is
+# lost (see ``Regroup._fail_over``); "" when the round has one node
+STANDBY_ENV = "RESILIENT_REGROUP_STANDBY"
+# set in the standby by the agents once etcd says the first store's node is lost: the one
+# signal every worker waits for before it moves, so that the gang never splits between stores
+PRIMARY_LOST = "primary_lost"
+# how long a worker that lost the store waits for its agents to confirm the loss (a lease
+# TTL and a few seconds is what it takes)
+FAILOVER_WAIT_S = 60.0
 SECRET_ENV = "RESILIENT_REGROUP_SECRET"  # the round's secret: never in the store, never in argv
 NODE_ENV = "RESILIENT_NODE_ID"   # the agent's name in the rendezvous: how workers name their node
 # set by resilient-run's agent, which heartbeats for its node: its workers then need not
@@ -275,11 +293,15 @@ class Regroup:
 
     def __init__(self, address: str, *, secret: str, node: str, rank: int, initial_world_size: int,
                  memory_address: str = "", stale_s: float = 2.0, join_grace_s: float = 30.0,
-                 timeout: float = 300.0, heartbeat: bool = True, member_id: str = "") -> None:
+                 timeout: float = 300.0, heartbeat: bool = True, member_id: str = "", standby: str = "") -> None:
         host, port, _ = parse_address(address)
         self.host, self.address, self._secret = host, address, secret
         self._ledger: SealedStore | None = None
         self._ledger_lock = threading.Lock()
+        self._standby = standby  # where the gang goes on if the store's node is lost ("" after)
+        self._mirrors: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._mirror_thread: threading.Thread | None = None
+        self._switch_lock = threading.Lock()
         # host:pid is what the agent marks dead; a simulation of many members in one process
         # names them itself
         self.me = member_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -316,6 +338,9 @@ class Regroup:
     def form(self, previous: Generation | None) -> Generation | None:
         """Join the next generation (the first one, or after ``previous`` failed); return it,
         or None when the job already finished (a replacement that arrived too late)."""
+        return self._on_store(lambda: self._form(previous))
+
+    def _form(self, previous: Generation | None) -> Generation | None:
         self._watching = None
         # a member of a failing generation has not finished, so the job has not either
         if previous is None and self._store.check(["finished"]):
@@ -459,7 +484,9 @@ class Regroup:
 
     def _write_seats(self, target: int, members: list[Member]) -> None:
         """Every member's seat in one request, then ``seated/<target>``: from then on a
-        waiter without a seat knows it is not in the generation."""
+        waiter without a seat knows it is not in the generation. The standby gets the member
+        list first: a gang that moves there re-forms from the generation it ran."""
+        self._mirror(f"members/{target}", Generation.encode_members(target, members))
         seats = [Generation(target, rank, len(members), partner).seat()
                  for rank, partner in enumerate(partners(members))]
         self._store.multi_set([f"seat/{target}/{m.id}" for m in members], seats)
@@ -532,6 +559,7 @@ class Regroup:
         if self._store.add(f"ready/{gen.number}", 1) == gen.world_size:
             self._store.compare_set(f"go/{gen.number}", "", "go")
             self._store.set("latest", str(gen.number))
+            self._mirror("latest", str(gen.number))
         closing = self._closer_of == gen.number  # (or we replace a closer that died: below)
         beats: dict[str, tuple[int, float]] = {}
         dead, ready = _Log(self._store, "dead"), _Log(self._store, f"readylog/{gen.number}")
@@ -564,6 +592,7 @@ class Regroup:
             if self._ledger is None:
                 self._ledger = connect(self.address, self._secret, 10.0)
             self._ledger.set(f"manifest/{step}", digest)
+        self._mirror(f"manifest/{step}", digest)
 
     def manifest_digest(self, step: int) -> str | None:
         """The SHA-256 of step ``step``'s committed manifest, as rank 0 recorded it."""
@@ -585,16 +614,22 @@ class Regroup:
         self._watching = None
         self._failure_known = gen.number
         try:
-            raise_failed(self._store, gen.number, f"{self.me}: {reason}")
+            self._on_store(lambda: raise_failed(self._store, gen.number, f"{self.me}: {reason}"))
+        except RegroupError:
+            raise
         except Exception as exc:
             raise RegroupError(f"cannot reach the regroup store: {exc}") from exc
 
     def finish(self, gen: Generation) -> None:
         """This member returned normally; with everyone done, the job is finished."""
         self._watching = None
-        self._store.append("done", self.me)
-        if self._store.add(f"done/{gen.number}", 1) == gen.world_size:
-            self._store.set("finished", "1")
+
+        def count_out() -> None:
+            self._store.append("done", self.me)
+            if self._store.add(f"done/{gen.number}", 1) == gen.world_size:
+                self._store.set("finished", "1")
+
+        self._on_store(count_out)
 
     def close(self) -> None:
         """Stop heartbeating and watching. A heartbeating watcher is waited for (it wakes
@@ -603,16 +638,19 @@ class Regroup:
         and, once stopped, calls nothing back; it is not waited for."""
         self._stop.set()
         self._watch_changed.set()
+        if self._mirror_thread is not None:  # let the last copies out (it is idle, not in a store call)
+            self._mirrors.put(None)
+            self._mirror_thread.join(timeout=1.0)
         if self._heartbeat:
             self._watcher.join(timeout=2 * HEARTBEAT_S + 1.0)
 
     def _watch_loop(self) -> None:
         """Heartbeat for the node (when this process speaks for it) and wait for the notice
         of the generation we run in: one blocking wait, woken by the store."""
-        store = self._watch_store
         # a member that does not heartbeat is woken by the notice, or by watch()/close()
         interval = HEARTBEAT_S if self._heartbeat else IDLE_WAIT_S
         while not self._stop.is_set():
+            store = self._watch_store  # (the standby's, once the gang moved there)
             try:
                 if self._heartbeat:
                     store.set(f"hb/{self.node}", repr(time.time()))
@@ -635,9 +673,82 @@ class Regroup:
                         self._on_failure(reason)
                 elif self._watching == watching:
                     self.join_pending = True
-            except Exception as exc:  # the store's host is gone: the next form() says so
+            except dist.DistNetworkError as exc:  # the store's node is gone: follow the gang
+                try:
+                    self._fail_over(exc, store)
+                except RegroupError as failed:  # no standby: the next form() says so
+                    log.debug("resilient: regroup watcher stops: %s", failed)
+                    return
+            except Exception as exc:
                 log.debug("resilient: regroup watcher failed: %s", exc)
                 self._stop.wait(interval)
+
+    # -- when the store's node is lost ----------------------------------------------------------
+    def _on_store(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` (which uses the store in use); if that store's node is gone, once
+        more on the standby."""
+        used = self._store
+        try:
+            return action()
+        except dist.DistNetworkError as exc:
+            self._fail_over(exc, used)
+            return action()
+
+    def _fail_over(self, exc: BaseException, used: SealedStore) -> None:
+        """Move both clients to the standby store once the agents confirm, from etcd's lease
+        expiry, that the store's node is lost (``PRIMARY_LOST``). Every worker waits for that
+        one confirmation rather than moving on its own error: a worker cut off from the store
+        alone would otherwise wait for a gang in a store nobody else uses."""
+        with self._switch_lock:
+            if used is not self._store and used is not self._watch_store:
+                return  # the other thread moved us already
+            if not self._standby:
+                raise RegroupError(f"the regroup store at {self.host} is gone ({exc}) and this round has no "
+                                   "standby store") from exc
+            standby, deadline = self._standby, time.monotonic() + FAILOVER_WAIT_S
+            log.warning("resilient: the regroup store at %s is gone (%s); waiting for the agents to confirm "
+                        "the loss, then re-forming through the standby store", self.host, str(exc)[:200])
+            try:
+                store = connect(standby, self._secret, 10.0, attempts=CONNECT_ATTEMPTS)
+                watch_store = connect(standby, self._secret, 10.0, attempts=CONNECT_ATTEMPTS)
+                while not _wait_for(store, PRIMARY_LOST, 1.0):
+                    if self._stop.is_set() or time.monotonic() > deadline:
+                        raise RegroupError(f"the regroup store at {self.host} is gone, and the agents did not "
+                                           f"confirm its node lost within {FAILOVER_WAIT_S:.0f} s")
+            except dist.DistError as error:
+                raise RegroupError(f"the regroup store at {self.host} is gone, and so is the standby "
+                                   f"({error})") from exc
+            with self._ledger_lock:
+                self._store, self._watch_store = store, watch_store
+                self.address, self.host = standby, parse_address(standby)[0]
+                self._standby, self._ledger = "", None
+            log.warning("resilient: re-forming through the standby regroup store at %s", self.host)
+
+    def _mirror(self, key: str, value: str) -> None:
+        """Copy to the standby what the gang needs to go on there (a member list, the latest
+        generation, a manifest's digest), from a thread of its own: a standby on a lost or
+        frozen node must not hold up the regroup in the store in use."""
+        if not self._standby:
+            return
+        if self._mirror_thread is None:
+            self._mirror_thread = threading.Thread(target=self._mirror_loop, args=(self._standby,),
+                                                   name="resilient-regroup-mirror", daemon=True)
+            self._mirror_thread.start()
+        self._mirrors.put((key, value))
+
+    def _mirror_loop(self, standby: str) -> None:
+        """Best effort: a standby that is gone costs only the failover, so it is not tried again."""
+        store: SealedStore | None = None
+        while (item := self._mirrors.get()) is not None:
+            try:
+                store = store or connect(standby, self._secret, 10.0)
+                store.set(*item)
+            except Exception as exc:
+                if self._standby == standby:
+                    log.warning("resilient: the standby regroup store does not answer (%s); no failover this round",
+                                str(exc)[:200])
+                    self._standby = ""
+                return
 
 
 def raise_failed(store: Any, number: int, reason: str) -> None:
@@ -651,6 +762,14 @@ def mark_dead(store: Any, member_id: str) -> None:
     """Record a member's death where both a closer's log read and a single check find it."""
     store.set(f"dead/{member_id}", "1")
     store.append("dead", member_id)
+
+
+def _wait_for(store: Any, key: str, seconds: float) -> bool:
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+        return True
+    except dist.DistStoreError:
+        return False
 
 
 def _decode_member(entry: str) -> Member:

@@ -145,10 +145,11 @@ def test_hung_rank_is_interrupted_and_recovers_in_process(cluster, reference):
     assert any(d.startswith("HangError") for d in details), details
 
 
-def test_lost_store_host_falls_back_to_a_process_restart(cluster, reference):
+def test_lost_store_host_fails_over_to_the_standby_in_process(cluster, reference):
     """Node a (rank 0: its agent hosts the regroup store) is SIGKILLed: node b's worker
-    cannot re-form in-process, exits, and its agent restarts it through a new etcd round,
-    restoring from the remote tier."""
+    waits until its agent, told by etcd, confirms the loss, then re-forms at world 1 through
+    the standby store that b's agent hosts: the same process carries on, nothing is
+    restarted, and the run ends with the reference weights."""
     in_process_cluster(cluster, use_remote=True)
     a, b = start_nodes(cluster, {})
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 12, 120, "step 12")
@@ -161,7 +162,8 @@ def test_lost_store_host_falls_back_to_a_process_restart(cluster, reference):
     events = cluster.events()
     check_against_reference(events, reference)
     late = [e for e in events if e["event"] == "start" and e["node"] == survivor.name and e["restored"] > 0]
-    assert late and late[-1]["pid"] != first[survivor.name] and late[-1]["world"] == 1, late
+    assert late and late[-1]["pid"] == first[survivor.name] and late[-1]["world"] == 1, late
+    assert "re-forming through the standby regroup store" in survivor.log(), survivor.log()[-3000:]
 
 
 def test_single_process_without_a_launcher_reruns_the_function(tmp_path, reference):

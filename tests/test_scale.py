@@ -159,7 +159,7 @@ def test_regroup_of_16_nodes_x_8_ranks_loses_a_node_with_constant_store_operatio
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     address = f"127.0.0.1:{server.port}/scale"
     secret = new_secret()
-    agents = {n: InProcessRecovery(address, None, f"node{n}", secret=secret) for n in range(nodes)}  # heartbeats
+    agents = {n: InProcessRecovery(address, [], f"node{n}", secret=secret) for n in range(nodes)}  # heartbeats
     ranks: dict[tuple[int, int], Regroup] = {}
     gens: dict[tuple[int, int], object] = {}
     failures: dict[tuple[int, int], str] = {}

@@ -33,6 +33,7 @@ from .._preempt import GRACE_ENV
 from .._regroup import AGENT_HEARTBEAT_ENV
 from .._regroup import ENV as REGROUP_ENV
 from .._regroup import SECRET_ENV as REGROUP_SECRET_ENV
+from .._regroup import STANDBY_ENV as REGROUP_STANDBY_ENV
 from .._sealed import job_secret
 from ._inprocess import NODE_ENV, InProcessRecovery
 from .rendezvous import BACKEND, EtcdV3RendezvousHandler, create_handler
@@ -83,11 +84,11 @@ class ResilientAgent(LocalElasticAgent):
         node = handler.node if isinstance(handler, EtcdV3RendezvousHandler) else \
             f"{socket.gethostname()}/{worker_group.group_rank}"
         secret = handler.round_secret if isinstance(handler, EtcdV3RendezvousHandler) else job_secret()
-        regroup = self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank, node, secret)
-        # workers inherit the agent's environment: where to re-form and its secret, their
-        # node's name, and that the agent heartbeats for the node
-        os.environ.update({REGROUP_ENV: regroup.address, REGROUP_SECRET_ENV: regroup.secret, NODE_ENV: node,
-                           AGENT_HEARTBEAT_ENV: "1"})
+        regroup = self._regroup = InProcessRecovery.for_round(self._store, worker_group.group_rank, node, secret,
+                                                              worker_group.group_world_size)
+        # workers inherit the agent's environment: its secret, their node's name, and that
+        # the agent heartbeats for the node (where to re-form: when they start, below)
+        os.environ.update({REGROUP_SECRET_ENV: regroup.secret, NODE_ENV: node, AGENT_HEARTBEAT_ENV: "1"})
         if isinstance(handler, EtcdV3RendezvousHandler):
             # a frozen node resets no connection: its peers wait in a collective until told
             handler.on_lost = lambda nodes: regroup.active() and regroup.fail_nodes(nodes)
@@ -98,6 +99,8 @@ class ResilientAgent(LocalElasticAgent):
             spec.args = ("-S", GUARD, str(os.getpid()), spec.entrypoint, *spec.args)
             spec.entrypoint = sys.executable
             spec._orphan_guarded = True  # type: ignore[attr-defined]
+        if self._regroup is not None:  # a replacement started after a failover goes to the standby
+            os.environ.update({REGROUP_ENV: self._regroup.address, REGROUP_STANDBY_ENV: self._regroup.standby})
         ids = super()._start_workers(worker_group)
         if self._regroup is not None:
             self._regroup.keep_survivors(self._pcontext)
