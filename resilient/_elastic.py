@@ -11,7 +11,7 @@ world size, and the function is called again with a fresh :class:`Checkpointer`,
 Three ways to run, chosen from the environment:
 
 * under ``resilient-run`` (``RESILIENT_REGROUP_STORE`` set by its agent): in-process
-  recovery, as above; when it cannot work (the store's host is gone, recoveries exhausted)
+  recovery, as above; when it cannot work (both of the round's stores are gone, recoveries exhausted)
   the process exits with the error and the agent's process restart takes over;
 * under another launcher (``WORLD_SIZE`` set): the process group is initialised from the
   environment and a failure ends the process, for the launcher to restart;
