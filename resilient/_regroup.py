@@ -328,6 +328,9 @@ class Regroup:
         self._store.set("elastic", "1")
         self._watcher = threading.Thread(target=self._watch_loop, name="resilient-regroup-watch", daemon=True)
         self._watcher.start()
+        if standby:
+            threading.Thread(target=self._standby_loop, args=(standby,), name="resilient-regroup-standby",
+                             daemon=True).start()
 
     @property
     def ops(self) -> int:
@@ -723,6 +726,26 @@ class Regroup:
                 self.address, self.host = standby, parse_address(standby)[0]
                 self._standby, self._ledger = "", None
             log.warning("resilient: re-forming through the standby regroup store at %s", self.host)
+
+    def _standby_loop(self, standby: str) -> None:
+        """Wait in the standby for the agents' word that the store's node is lost, then move
+        there and fail the running generation. A *frozen* node resets no connection: without
+        this, a rank blocked in a collective with it, and its watcher blocked on its store,
+        would wait for their timeouts. One idle wait per ``IDLE_WAIT_S``; the store wakes it."""
+        try:
+            store = connect(standby, self._secret, 10.0, attempts=CONNECT_ATTEMPTS)
+            while not _wait_for(store, PRIMARY_LOST, IDLE_WAIT_S):
+                if self._stop.is_set() or self._standby != standby:
+                    return  # closed, moved already, or the standby is gone
+            self._fail_over(dist.DistNetworkError("the agents say the regroup store's node is lost"), self._store)
+        except Exception as exc:  # the standby is gone (or never answered): nothing to move to
+            log.debug("resilient: regroup standby watcher stops: %s", exc)
+            return
+        watching = self._watching
+        if watching is not None and self._on_failure is not None and not self._stop.is_set():
+            self._watching = None
+            self._failure_known = watching
+            self._on_failure("the node of the regroup store was lost")
 
     def _mirror(self, key: str, value: str) -> None:
         """Copy to the standby what the gang needs to go on there (a member list, the latest

@@ -9,6 +9,7 @@ tells the agents is the one call made here by hand (``fail_nodes``, as the launc
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -102,6 +103,68 @@ def test_lost_store_node_moves_the_gang_to_the_standby_once_the_agents_confirm_i
         for r in ranks.values():
             r.close()
         for agent in agents.values():
+            agent.close()
+
+
+def test_a_frozen_store_node_wakes_the_running_ranks_through_the_standby():
+    """The first store's process is SIGSTOPped (a frozen node: no connection resets, a rank's
+    watcher sits in a wait on it). Once the agents confirm the loss, every running rank is
+    told its generation failed within seconds, and the gang re-forms through the standby."""
+    primary_host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
+    standby_server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30))
+    primary = f"127.0.0.1:{int(primary_host.stdout.readline())}/first"
+    standby = f"127.0.0.1:{standby_server.port}/standby"
+    secret = new_secret()
+    agents = [InProcessRecovery(primary, [], f"node{n}", secret=secret, standby=standby, store_node="node0")
+              for n in (1, 2)]
+    ranks = {n: Regroup(primary, secret=secret, node=f"node{n}", rank=n - 1, initial_world_size=2,
+                        heartbeat=False, stale_s=1.0, timeout=60, member_id=f"node{n}-rank0", standby=standby)
+             for n in (1, 2)}
+    gens, told, errors = {}, {}, []
+
+    def form(n, previous=None):
+        try:
+            gens[n] = ranks[n].form(previous)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=form, args=(n,)) for n in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and len(gens) == 2, errors
+        first = dict(gens)
+        for n, group in ranks.items():
+            group.watch(first[n], lambda reason, n=n: told.setdefault(n, (time.monotonic(), reason)))
+        time.sleep(1.0)  # the watchers sit in their waits on the first store
+        primary_host.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        confirmed = time.monotonic()
+        for agent in agents:
+            agent.fail_nodes(["node0"])
+        deadline = time.monotonic() + 10
+        while len(told) < 2:
+            assert time.monotonic() < deadline, f"running ranks not told of the lost store node: {told}"
+            time.sleep(0.05)
+        assert all(at - confirmed < 5 for at, _ in told.values()), told
+        gens.clear()
+        threads = [threading.Thread(target=lambda n=n: (ranks[n].report_failure(first[n], told[n][1]),
+                                                        form(n, first[n]))) for n in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert {(g.number, g.world_size) for g in gens.values()} == {(1, 2)}
+        assert all(r.address == standby for r in ranks.values())
+    finally:
+        primary_host.kill()
+        for r in ranks.values():
+            r.close()
+        for agent in agents:
             agent.close()
 
 
