@@ -14,6 +14,8 @@ Faults, injected after training settles at world size 2:
 * ``storehost``: SIGKILL the node of rank 0, whose agent hosts the in-process regroup store
   (and, under c10d, the rendezvous store): in-process, the survivor re-forms through the
   standby store that its own agent hosts;
+* ``storehost-frozen``: SIGSTOP that node instead (no TCP reset: the survivor's ranks sit in
+  a collective and in a wait on the frozen store until told);
 * ``hung``:   rank 1 stops inside step 60 (``RESILIENT_FAULT=hang``): no crash, no lost node.
   resilient-run's runs set ``RESILIENT_HANG_TIMEOUT=5``; torchrun's keep its defaults.
 
@@ -29,7 +31,7 @@ Both launchers use their defaults except ``--max-restarts=3`` (torchrun's defaul
 the job at the first failure) and, for the spare scenario, a third agent. A run that does
 not resume within ``--give-up`` seconds is reported as such.
 
-    python benchmarks/bench_recovery.py [--repeats 2] [--scenarios worker,node,frozen,spare,hung,storehost]
+    python benchmarks/bench_recovery.py [--repeats 2] [--scenarios worker,node,frozen,spare,hung,storehost,storehost-frozen]
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= 40, 120,
                          "training at world 2")
         time.sleep(3 if scenario == "spare" else 0.5)  # the spare registers
-        if scenario == "storehost":
+        if scenario.startswith("storehost"):
             victim = nodes[next(e["node"] for e in reversed(cluster.events()) if e["event"] == "start"
                                 and e["rank"] == 0)]
         survivor = "b" if victim.name == "a" else "a"
@@ -104,7 +106,7 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
             os.kill(cluster.workers_of("b")[-1], signal.SIGKILL)
         elif scenario in ("node", "spare", "storehost"):
             victim.signal_all(signal.SIGKILL, cluster.workers_of(victim.name))
-        elif scenario == "frozen":
+        elif scenario in ("frozen", "storehost-frozen"):
             victim.signal_all(signal.SIGSTOP, cluster.workers_of(victim.name))
         # the gang knows it must re-form: a worker of the survivors is stopped or fails, or
         # (in-process) reports the failure and stays
