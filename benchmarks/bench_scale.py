@@ -195,6 +195,11 @@ def serve(conn: Any, spec: Spec) -> None:
             return
 
 
+def process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def serve_regroup(conn: Any, spec: Spec) -> None:
     """In-process regrouping: ``spec.indices`` are nodes, each an agent's heartbeat (the real
     ``InProcessRecovery``) and ``spec.lease_ttl`` ranks (the real ``Regroup``), one thread each."""
@@ -212,6 +217,7 @@ def serve_regroup(conn: Any, spec: Spec) -> None:
     records: list[tuple[int, int, int, int, float]] = []
     errors: list[str] = []
     ops_at: dict[str, dict[tuple[int, int], int]] = {}
+    cpu_at: dict[str, float] = {}  # this process's CPU seconds at the same instants
     killed: set[int] = set()
     lock = threading.Lock()
 
@@ -264,12 +270,14 @@ def serve_regroup(conn: Any, spec: Spec) -> None:
                 threading.Thread(target=form, args=(key, 0.0), daemon=True).start()
         elif command == "ops":
             ops_at[arg] = {k: r.ops for k, r in ranks.items()}
+            cpu_at[arg] = process_cpu_s()
         elif command == "report":
             stats: dict[str, int] = {}
             if "before" in ops_at and "after" in ops_at:
                 survivors = [k for k in ops_at["after"] if k in ops_at["before"]]
                 stats = {"ranks": len(survivors),
-                         "ops": sum(ops_at["after"][k] - ops_at["before"][k] for k in survivors)}
+                         "ops": sum(ops_at["after"][k] - ops_at["before"][k] for k in survivors),
+                         "cpu_s": cpu_at["after"] - cpu_at["before"]}  # type: ignore[dict-item]
             with lock:
                 conn.send(("report", records[arg[0]:], stats, list(errors)))
         elif command == "stop":
@@ -442,15 +450,21 @@ def run_regroup_case(nodes: int, per_node: int, procs: int) -> dict[str, Any]:
         if gang.form_all(ranks, result, "generation 0") is None:
             return result
         gang.send("ops", "before")
+        host_cpu = process_cpu_s()  # the store's (and this driver's) CPU, over the same window
         victim = nodes - 1
         killed = time.time()
         gang.send("kill", victim)
         gang.send("fail", 0)  # node 0's first rank saw its collective break; the others are told
         gang.reformed((nodes - 1) * per_node, killed, result, "generation")
         gang.send("ops", "after")
+        host_cpu = process_cpu_s() - host_cpu
         _, stats, _ = gang.report()
         if stats.get("ranks"):
             result["ops_per_rank"] = round(stats["ops"] / stats["ranks"], 2)
+            # the machine's limit: what the re-form cost in CPU, per rank, the idle heartbeats of
+            # every simulated agent included, and what the store's host spent meanwhile
+            result["cpu_ms_per_rank"] = round(stats["cpu_s"] / stats["ranks"] * 1e3, 2)
+            result["store_host_cpu_s"] = round(host_cpu, 2)
         return result
     finally:
         gang.close()
@@ -465,11 +479,13 @@ def _c10d_store(port: int) -> Any:
 
 
 def render_regroup(results: list[dict[str, Any]]) -> str:
-    lines = ["| nodes x ranks | generation 0 formed | one node lost → re-formed | store operations per rank per regroup |",
-             "|---|---|---|---|"]
+    lines = ["| nodes x ranks | generation 0 formed | one node lost → re-formed | store operations per rank per regroup "
+             "| CPU per rank per regroup (store host's CPU) |",
+             "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["nodes"]):
-        cells = ([_short(r["error"]), "", ""] if "formation_s" not in r else
-                 [_fmt(r["formation_s"]), _fmt(r.get("reform_s")), str(r.get("ops_per_rank", "–"))])
+        cpu = (f"{r['cpu_ms_per_rank']:.1f} ms ({r['store_host_cpu_s']:.1f} s)" if "cpu_ms_per_rank" in r else "–")
+        cells = ([_short(r["error"]), "", "", ""] if "formation_s" not in r else
+                 [_fmt(r["formation_s"]), _fmt(r.get("reform_s")), str(r.get("ops_per_rank", "–")), cpu])
         lines.append(f"| {r['nodes']} x {r['ranks_per_node']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
