@@ -26,8 +26,8 @@ reading the list (O(N) bytes each would be O(N^2) for the gang). Generation 0 cl
 launcher's whole world has joined.
 
 A generation's failure is one key, ``failed/<g>``, announced through ``notice/<g>``, which
-carries the reason: every member's watcher thread blocks on ``notice/<g>`` (one operation,
-woken by the store, then one read) rather than polling. A process that arrives after its
+carries the reason: every member's watcher thread blocks in one read of ``notice/<g>`` (one
+operation, answered by the store when the key appears) rather than polling. A process that arrives after its
 generation closed (a replacement started by the agent) registers for the next one and sets
 ``joining/<g>`` and the notice. The members
 see it at their next checkpoint (``Checkpointer.save`` that is due; one tiny collective
@@ -234,6 +234,13 @@ class CountingStore:
         self.inner = store
         self.ops = 0
 
+    @property
+    def timeout(self) -> timedelta:  # client-side settings: no request, not counted
+        return self.inner.timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.inner, name)
 
@@ -404,11 +411,9 @@ class Regroup:
         key = f"seat/{target}/{self.me}"
         beats: dict[str, tuple[int, float]] = {}
         while True:
-            try:
-                self._store.wait([key], timedelta(seconds=self._waiter_timeout()))
-                return Generation.from_seat(self._store.get(key))
-            except dist.DistStoreError:
-                pass
+            seat = self._store.get_within(key, self._waiter_timeout())
+            if seat is not None:
+                return Generation.from_seat(seat)
             if self._store.check([f"seated/{target}"]):
                 # closed: our seat was written just after the wait gave up, or we were left out
                 return Generation.from_seat(self._store.get(key)) if self._store.check([key]) else None
@@ -569,11 +574,9 @@ class Regroup:
         key = f"go/{gen.number}"
         progress = _Progress()
         while True:
-            try:
-                self._store.wait([key], timedelta(seconds=POLL_S * 5 if closing else self._waiter_timeout()))
-                return self._store.get(key) == b"go"
-            except dist.DistStoreError:
-                pass
+            said = self._store.get_within(key, POLL_S * 5 if closing else self._waiter_timeout())
+            if said is not None:
+                return said == b"go"
             closing = closing or self._closer_dead(gen.number, beats)
             # the closer looks at the members not ready yet, once readiness stopped coming
             if closing and progress.update(self._store.add(f"ready/{gen.number}", 0)) and progress.due():
@@ -663,11 +666,10 @@ class Regroup:
                     self._watch_changed.wait(interval)
                     continue
                 key = f"failed/{watching}" if self.join_pending else f"notice/{watching}"
-                try:
-                    store.wait([key], timedelta(seconds=interval))
-                except dist.DistStoreError:
+                raw = store.get_within(key, interval)
+                if raw is None:
                     continue  # nothing yet
-                value = store.get(key).decode()
+                value = raw.decode()
                 if self.join_pending or value.startswith(FAILED):
                     reason = value[len(FAILED):] if value.startswith(FAILED) else value
                     if self._watching == watching and self._on_failure is not None and not self._stop.is_set():

@@ -23,7 +23,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from datetime import timedelta
 from typing import Any
+
+from torch.distributed import DistStoreError
 
 from ._errors import ResilientError
 
@@ -103,6 +106,20 @@ class SealedStore:
 
     def get(self, key: str) -> bytes:
         return self.open(key, self.inner.get(key))
+
+    def get_within(self, key: str, seconds: float) -> bytes | None:
+        """``key``'s value once it exists, or None after ``seconds``: one blocking request,
+        where a wait and then a get would be two (and two wake-ups of the waiting thread:
+        thousands of waiters pay both, every regroup). Each client belongs to one thread, so
+        the client's timeout can be set for this one request and put back."""
+        default = self.inner.timeout
+        self.inner.set_timeout(timedelta(seconds=seconds))
+        try:
+            return self.get(key)
+        except DistStoreError:  # not there in time (a lost store raises DistNetworkError)
+            return None
+        finally:
+            self.inner.set_timeout(default)
 
     def multi_set(self, keys: list[str], values: list[str]) -> None:
         self.inner.multi_set(keys, [self.seal(k, v) for k, v in zip(keys, values)])

@@ -84,7 +84,8 @@ class _Channel:
         try:
             if self.node:
                 (store or self.client).set(f"hb/{self.node}", repr(time.time()))  # its age is what counts
-            self.elastic = self.elastic or (store or self.client).check(["elastic"])
+            if not self.elastic:  # once known, never asked again: a thousand agents ask 4 times a second
+                self.elastic = (store or self.client).check(["elastic"])
             self.last_ok = time.monotonic()
         except Exception:
             if self.alive:
