@@ -9,10 +9,11 @@ compare-and-set, so every process reads the same list.
 What each process does per generation is a constant number of store operations, whatever
 the size of the gang: it counts itself in (``arrivals/<g>``; the first to arrive is the
 closer), appends its record to ``joins/<g>``, then *waits on a key* (its seat,
-``seat/<g>/<id>``, then ``go/<g>``) instead of polling: about ten operations per rank per
-regroup. Only the closer reads the member list and looks at everyone: it reads the append-only
-logs (joins, deaths, finishes), and closes generation ``g+1`` once every member of ``g``
-has joined it, finished, or is known dead. Dead is learned three ways, fastest first: the
+``seat/<g>/<id>``, then ``go/<g>``: one blocking read each) instead of polling: seven to
+nine operations per rank per regroup. Only the closer reads the member list and looks at
+everyone: it reads the append-only logs (joins, deaths, finishes), and closes generation
+``g+1`` once every member of ``g`` has joined it, finished, or is known dead. Dead is
+learned three ways, fastest first: the
 member's agent appends it to ``dead`` (it saw the process exit: within the agent's monitor
 interval); its *node's* heartbeat (``hb/<node>``, one per node: the agent's, or the first
 local worker's without an agent) stopped moving for ``stale_s`` (a whole node gone); it has

@@ -23,9 +23,10 @@ import secrets
 import socket
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import DistStoreError, PrefixStore, Store, TCPStore
 from torch.distributed.elastic.multiprocessing.api import RunProcsResult
 
 from .._peer_memory import interface_towards
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 KEY = "resilient/regroup_store"
 STANDBY_KEY = "resilient/regroup_standby"
+STANDBY_WAIT_S = 10.0  # rank 1's agent publishes it as soon as the round is formed
 STORE_NODE_KEY = "resilient/regroup_store_node"
 UNGUARDED_SECRET_KEY = "resilient/regroup_secret"  # only without etcd and without a job secret
 PROBE_S = HEARTBEAT_S  # the probe is also the node's heartbeat
@@ -56,6 +58,18 @@ def _host_store(round_store: Store) -> tuple[TCPStore, str]:
     host = interface_towards(getattr(base, "host", "127.0.0.1"), getattr(base, "port", 1))
     server = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     return server, f"{host}:{server.port}/{secrets.token_hex(8)}"
+
+
+def _standby_of(round_store: Store) -> str:
+    """The standby's address, as rank 1's agent published it; "" if it did not within
+    ``STANDBY_WAIT_S`` (it died as the round began): the round goes on without one."""
+    try:
+        round_store.wait([STANDBY_KEY], timedelta(seconds=STANDBY_WAIT_S))
+        return round_store.get(STANDBY_KEY).decode()
+    except DistStoreError:
+        log.warning("no standby regroup store was published within %.0f s: losing the store's node will "
+                    "mean a process restart this round", STANDBY_WAIT_S)
+        return ""
 
 
 class _Channel:
@@ -160,7 +174,7 @@ class InProcessRecovery:
                     round_store.set(UNGUARDED_SECRET_KEY, secret)
         if secret is None:
             secret = round_store.get(UNGUARDED_SECRET_KEY).decode()
-        standby = round_store.get(STANDBY_KEY).decode() if group_world_size > 1 else ""
+        standby = _standby_of(round_store) if group_world_size > 1 else ""
         return cls(round_store.get(KEY).decode(), servers, node, secret=secret, standby=standby,
                    store_node=round_store.get(STORE_NODE_KEY).decode())
 
