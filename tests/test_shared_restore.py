@@ -3,6 +3,7 @@ page cache or by broadcast: every rank gets every byte exactly, each rank has ab
 of them read from storage, and a bad chunk in one rank's part makes every rank fall back
 together."""
 
+import glob
 import json
 import os
 
@@ -15,6 +16,15 @@ pytestmark = pytest.mark.timeout(180)
 
 # the shared tensors of tests.workers._replicated_state (the 10-element one is read by all)
 SHARED_BYTES = 1024 * 1024 * 4 + 777 * 1001 * 4 + 600 * 1000 * 2
+
+
+def _readahead_bytes(path: str) -> int:
+    """How far the kernel reads ahead on its own on the device holding ``path`` (the
+    largest of all block devices' when that one is not found: an overlay or a partition)."""
+    dev = os.stat(path).st_dev
+    here = glob.glob(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue/read_ahead_kb")
+    values = [int(open(f).read()) for f in here or glob.glob("/sys/block/*/queue/read_ahead_kb")]
+    return max(values or [128]) * 1024
 
 
 def _reads(results) -> list[int]:
@@ -41,11 +51,14 @@ def test_each_byte_is_read_once_whatever_the_rank_count(saved_by_two, world, mod
     reads = _reads(run_ranks("replicated_restore", world, {"root": saved_by_two, "expect": 2},
                              env={"RESILIENT_RESTORE_SHARING": mode}))
     # every rank has every tensor exactly (asserted in the worker); storage served each byte
-    # about once in total (read-ahead aside). A broadcast splits the reads evenly; through
-    # the page cache a rank that is ahead reads on into a slower rank's part itself
+    # about once in total (read-ahead aside). A broadcast splits the reads evenly, up to what
+    # the kernel reads ahead past a rank's part on its own (this machine's disk: 8 MB, which
+    # can take a neighbour's whole part; then that neighbour finds it cached and reads
+    # nothing); through the page cache a rank that is ahead reads on into a slower rank's
+    # part itself
     assert SHARED_BYTES * 0.9 <= sum(reads) < SHARED_BYTES * 1.1 + (1 << 20), reads
     if mode == "broadcast":
-        assert max(reads) < SHARED_BYTES / world * 1.35 + (1 << 20), reads
+        assert max(reads) < SHARED_BYTES / world * 1.35 + (1 << 20) + _readahead_bytes(saved_by_two), reads
 
 
 @pytest.mark.parametrize("mode", MODES)
