@@ -30,13 +30,18 @@ HOST = "import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0,
        "wait_for_workers=False); print(s.port, flush=True); time.sleep(600)"
 
 
-def test_lost_store_node_moves_the_gang_to_the_standby_once_the_agents_confirm_it():
+def two_stores():
+    """The first store in a process of its own (to be killed or frozen as its node would be),
+    the standby in this one; their addresses, and a secret for both."""
     primary_host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
     standby_server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
     primary = f"127.0.0.1:{int(primary_host.stdout.readline())}/first"
-    standby = f"127.0.0.1:{standby_server.port}/standby"
-    secret = new_secret()
+    return primary_host, standby_server, primary, f"127.0.0.1:{standby_server.port}/standby", new_secret()
+
+
+def test_lost_store_node_moves_the_gang_to_the_standby_once_the_agents_confirm_it():
+    primary_host, standby_server, primary, standby, secret = two_stores()
     agents = {n: InProcessRecovery(primary, [], f"node{n}", secret=secret, standby=standby, store_node="node0")
               for n in range(NODES)}
     keys = [(n, r) for n in range(NODES) for r in range(PER_NODE)]
@@ -110,12 +115,7 @@ def test_a_frozen_store_node_wakes_the_running_ranks_through_the_standby():
     """The first store's process is SIGSTOPped (a frozen node: no connection resets, a rank's
     watcher sits in a wait on it). Once the agents confirm the loss, every running rank is
     told its generation failed within seconds, and the gang re-forms through the standby."""
-    primary_host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
-    standby_server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=30))
-    primary = f"127.0.0.1:{int(primary_host.stdout.readline())}/first"
-    standby = f"127.0.0.1:{standby_server.port}/standby"
-    secret = new_secret()
+    primary_host, standby_server, primary, standby, secret = two_stores()
     agents = [InProcessRecovery(primary, [], f"node{n}", secret=secret, standby=standby, store_node="node0")
               for n in (1, 2)]
     ranks = {n: Regroup(primary, secret=secret, node=f"node{n}", rank=n - 1, initial_world_size=2,
