@@ -13,10 +13,10 @@ closer), appends its record to ``joins/<g>``, then *waits on a key* (its seat,
 nine operations per rank per regroup. Only the closer reads the member list and looks at
 everyone: it reads the append-only logs (joins, deaths, finishes), and closes generation
 ``g+1`` once every member of ``g`` has joined it, finished, or is known dead. Dead is
-learned three ways, fastest first: the
-member's agent appends it to ``dead`` (it saw the process exit: within the agent's monitor
-interval); its *node's* heartbeat (``hb/<node>``, one per node: the agent's, or the first
-local worker's without an agent) stopped moving for ``stale_s`` (a whole node gone); it has
+learned three ways, fastest first: the member's agent appends it to ``dead`` (it saw the
+process exit: within the agent's monitor interval); its *node's* heartbeat (``hb/<node>``,
+one per node: the agent's, or the first local worker's without an agent) stopped moving
+for ``stale_s`` (a whole node gone); it has
 not joined ``join_grace_s`` after the first joiner (alive but stuck; it can join a later
 generation). The closer looks at heartbeats only of the nodes it still waits for. If the
 closer itself dies, a waiter that finds the closer's node silent (or the closer marked
@@ -717,7 +717,7 @@ class Regroup:
             try:
                 store = connect(standby, self._secret, 10.0, attempts=CONNECT_ATTEMPTS)
                 watch_store = connect(standby, self._secret, 10.0, attempts=CONNECT_ATTEMPTS)
-                while not _wait_for(store, PRIMARY_LOST, 1.0):
+                while store.get_within(PRIMARY_LOST, 1.0) is None:
                     if self._stop.is_set() or time.monotonic() > deadline:
                         raise RegroupError(f"the regroup store at {self.host} is gone, and the agents did not "
                                            f"confirm its node lost within {FAILOVER_WAIT_S:.0f} s")
@@ -737,7 +737,7 @@ class Regroup:
         would wait for their timeouts. One idle wait per ``IDLE_WAIT_S``; the store wakes it."""
         try:
             store = connect(standby, self._secret, 10.0, attempts=CONNECT_ATTEMPTS)
-            while not _wait_for(store, PRIMARY_LOST, IDLE_WAIT_S):
+            while store.get_within(PRIMARY_LOST, IDLE_WAIT_S) is None:
                 if self._stop.is_set() or self._standby != standby:
                     return  # closed, moved already, or the standby is gone
             self._fail_over(dist.DistNetworkError("the agents say the regroup store's node is lost"), self._store)
@@ -788,14 +788,6 @@ def mark_dead(store: Any, member_id: str) -> None:
     """Record a member's death where both a closer's log read and a single check find it."""
     store.set(f"dead/{member_id}", "1")
     store.append("dead", member_id)
-
-
-def _wait_for(store: Any, key: str, seconds: float) -> bool:
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-        return True
-    except dist.DistStoreError:
-        return False
 
 
 def _decode_member(entry: str) -> Member:
