@@ -146,7 +146,7 @@ def test_etcd_restart_does_not_stop_training(tmp_path):
     from resilient.devservices import EtcdServer
 
     server = EtcdServer(str(tmp_path / "etcd")).start()
-    cluster = Cluster(str(tmp_path), server.endpoint, run_id="etcd-restart", steps=240)
+    cluster = Cluster(str(tmp_path), server.endpoint, run_id="etcd-restart", steps=180)
     try:
         train_through(cluster, lambda: server.restart(down_for=1.0))
     finally:
@@ -170,7 +170,7 @@ def test_losing_the_etcd_leader_of_a_three_member_cluster_does_not_stop_training
             status = _json.loads(reply.read())
         return status["leader"] == status["header"]["member_id"]
 
-    cluster = Cluster(str(tmp_path), etcd.endpoints, run_id="member-down", steps=240,
+    cluster = Cluster(str(tmp_path), etcd.endpoints, run_id="member-down", steps=180,
                       rdzv=etcd_v3_flags(etcd.endpoints, "member-down", "lease_ttl=5,last_call_timeout=5"))
     try:
         # a new leader is elected among the other two members; clients move on

@@ -55,6 +55,7 @@ def eventually(fn, timeout: float = 15):
 
 
 def test_metrics_and_timeline_show_the_fault_the_new_round_and_the_restore(cluster, tmp_path):
+    cluster.steps = 120  # outlasts the fault at step 30 and the restart; no late joiner here
     run_log = str(tmp_path / "run.jsonl")
     ports = {"a": (free_port(), free_port()), "b": (free_port(), free_port())}
     nodes = {name: cluster.start(name, extra=[f"--metrics-port={agent}", f"--event-log={run_log}",

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = started + args.timeout
         while time.monotonic() < deadline and any(a.poll() is None for n, a in agents.items()
                                                   if n not in {f.node for f in faults}):
-            time.sleep(0.5)
+            time.sleep(0.1)
         codes = {n: a.poll() for n, a in agents.items()}
         print(f"agents exited: {codes}", flush=True)
     finally:

@@ -28,6 +28,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
+from .._exit import run_and_exit
 from .._metrics import ADDR_ENV as METRICS_ADDR_ENV
 from .._preempt import GRACE_ENV
 from .._regroup import AGENT_HEARTBEAT_ENV
@@ -275,5 +276,11 @@ def serve_metrics(port: int, event_log: str | None) -> None:
         m.goodput.set_function(goodput)
 
 
+def entry() -> None:
+    """The ``resilient-run`` command: ``main``, then exit without the interpreter's teardown
+    (about a second with torch's agent loaded; see ``_exit``)."""
+    run_and_exit(main)
+
+
 if __name__ == "__main__":
-    main()
+    entry()
