@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import os
 import threading
 from concurrent.futures import Executor
@@ -87,6 +88,66 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+#: what direct I/O needs aligned: memory addresses, file offsets and lengths (the page size,
+#: a multiple of every common device's logical block)
+DIRECT_ALIGN = 4096
+
+
+def _address(view: memoryview) -> int | None:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):  # read-only or not contiguous: no direct I/O from it
+        return None
+
+
+class _DirectWriter:
+    """Writes a raw data file's page-aligned part straight from the snapshot buffer to the
+    device (``O_DIRECT``), the last partial page through the page cache.
+
+    Why: a buffered write copies every byte into the page cache first, which costs a core
+    at the disk's speed and, when the cores are busy training, runs at the writer's low
+    priority. Measured here (2 GB, fsync'd): 0.3-1.0 GB/s buffered against 2.5 GB/s direct,
+    and 4 GB written under a training loop on both cores took 8 s direct while the buffered
+    writer had not finished after 120 s. Where the file system refuses direct I/O (tmpfs,
+    some network file systems) the writer falls back to buffered writes from where it is.
+    """
+
+    def __init__(self, path: str, source: memoryview) -> None:
+        self.source = source
+        self.done = 0  # bytes of the file written so far, from the start
+        self.fd: int | None = None
+        flag = getattr(os, "O_DIRECT", 0)
+        address = _address(source)
+        if flag and address is not None and address % DIRECT_ALIGN == 0:
+            try:
+                self.fd = os.open(path, os.O_WRONLY | flag)
+            except OSError:
+                self.fd = None
+
+    def advance(self, end: int, buffered_fd: int, *, final: bool = False) -> None:
+        """Bytes ``[0, end)`` are checksummed and may be written; ``final``: they are all."""
+        if self.fd is not None:
+            upto = end - end % DIRECT_ALIGN
+            try:
+                while self.done < upto:
+                    self.done += os.pwrite(self.fd, self.source[self.done : upto], self.done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.close()  # the device wants another alignment: buffered from here on
+        if self.fd is None or final:
+            start = self.done
+            while self.done < end:
+                self.done += os.pwrite(buffered_fd, self.source[self.done : end], self.done)
+            if self.fd is None:
+                start_writeback(buffered_fd, start, end - start)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def _encode(data: memoryview, codec: int) -> tuple[memoryview | bytes, int]:
     if codec == ZSTD:
         packed = _compressor().compress(data)
@@ -109,16 +170,22 @@ def write_chunked(
     chunk_bytes: int,
     pool: Executor,
     lookahead: int = 4,
+    contiguous: memoryview | None = None,
 ) -> dict:
     """Write ``blobs`` back to back into a new file at ``path``, fsync it, return its record.
 
     Encoding (checksum, compression) of up to ``lookahead`` chunks runs on ``pool`` while
     this thread writes, so memory stays bounded by ``lookahead`` encoded chunks.
+    ``contiguous``: the blobs are consecutive slices of this one buffer; an uncompressed
+    file is then written from it with direct I/O (see ``_DirectWriter``).
     """
     codec_id = CODECS[codec]
     chunks: list[list[int]] = []
     logical = stored = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if contiguous is not None and sum(len(b) for b in blobs) != len(contiguous):
+        raise ValueError(f"{path}: the blobs hold {sum(len(b) for b in blobs)} bytes, the buffer {len(contiguous)}")
+    direct = _DirectWriter(path, contiguous) if codec_id == RAW and contiguous is not None else None
     try:
 
         def encode(data: memoryview) -> tuple[memoryview | bytes, int, int]:
@@ -141,15 +208,20 @@ def write_chunked(
             refill()
             payload, used, crc = future.result()
             view = memoryview(payload)
-            written = 0
-            while written < len(view):
-                written += os.pwrite(fd, view[written:], stored + written)
+            if direct is not None:
+                direct.advance(stored + len(view), fd, final=not pending)
+            else:
+                written = 0
+                while written < len(view):
+                    written += os.pwrite(fd, view[written:], stored + written)
+                start_writeback(fd, stored, len(view))
             chunks.append([logical, length, stored, len(view), crc, used])
-            start_writeback(fd, stored, len(view))
             logical += length
             stored += len(view)
         os.fsync(fd)
     finally:
+        if direct is not None:
+            direct.close()
         os.close(fd)
     return {"bytes": stored, "chunks": chunks}
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._chunkio import crc32
+from ._chunkio import DIRECT_ALIGN, crc32
 from ._errors import UnsupportedStateError
 from ._fence import CopyThread, StagingFence, register
 from ._format import dtype_from_name, dtype_name
@@ -260,6 +260,14 @@ def plan_rank(
     return RankPlan(blobs, meta, signature, replicated, shards)
 
 
+def page_aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 buffer starting on a page boundary, so the writer can hand it to the device
+    with direct I/O (``_chunkio.DIRECT_ALIGN``); torch's host allocator aligns to 64 bytes."""
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
+
+
 class Staging:
     """One host buffer, allocated on first use and reused: memory does not grow per save.
 
@@ -278,7 +286,7 @@ class Staging:
     def _ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.is_pinned() != pin:
             self.buffer = None  # free the old one first: never hold two
-            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+            self.buffer = page_aligned_empty(max(nbytes, 1), pin)
             self.buffer.zero_()  # touch every page now, not during the copy
         return self.buffer
 

@@ -222,6 +222,7 @@ class BackgroundWriter:
                 codec=self.codec,
                 chunk_bytes=self.chunk_bytes,
                 pool=self._pool,
+                contiguous=base[:pos],
             )
             fsync_dir(pending)
         return {

@@ -1,0 +1,139 @@
+"""Data files written with direct I/O from the snapshot buffer: the same bytes and chunk
+table as a buffered write, the page cache bypassed (seen with mincore), and a buffered
+fallback wherever direct I/O is refused."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from resilient import Checkpointer
+from resilient._chunkio import DIRECT_ALIGN, ChunkedFile, write_chunked
+from resilient._snapshot import page_aligned_empty
+
+pytestmark = pytest.mark.timeout(60)
+
+SIZES = [5 * DIRECT_ALIGN + 3, 1 << 20, 7, 3 * (1 << 20) + 4097]  # blob ends fall mid-page
+
+
+def resident_pages(path: str) -> list[bool]:
+    """Which of the file's pages are in the page cache (mincore on a private mapping)."""
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        del address
+        return [bool(v & 1) for v in vec]
+    finally:
+        mapped.close()
+
+
+def filled(buffer: torch.Tensor) -> list[memoryview]:
+    buffer.copy_(torch.randint(0, 256, (buffer.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    base, views, pos = memoryview(buffer.numpy()), [], 0
+    for n in SIZES:
+        views.append(base[pos : pos + n])
+        pos += n
+    return views
+
+
+def write(path: str, views: list[memoryview], contiguous: memoryview | None, codec: str = "none") -> dict:
+    with ThreadPoolExecutor(2) as pool:
+        return write_chunked(path, views, codec=codec, chunk_bytes=1 << 20, pool=pool, contiguous=contiguous)
+
+
+def read_back(path: str, record: dict, nbytes: int) -> bytes:
+    out = bytearray(nbytes)
+    for task in ChunkedFile(path, record).read_tasks(0, memoryview(out)):
+        task()
+    return bytes(out)
+
+
+def test_page_aligned_buffer_is_written_past_the_page_cache(tmp_path):
+    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    assert buffer.data_ptr() % DIRECT_ALIGN == 0
+    views = filled(buffer)
+    path = str(tmp_path / "rank.data")
+    record = write(path, views, memoryview(buffer.numpy()))
+    resident = resident_pages(path)  # before anything reads the file back
+    assert not any(resident[:-1]), "the aligned part must not go through the page cache"
+    assert open(path, "rb").read() == buffer.numpy().tobytes()
+    assert read_back(path, record, sum(SIZES)) == buffer.numpy().tobytes()  # every chunk's CRC checks
+
+
+def test_unaligned_buffer_falls_back_to_buffered_writes(tmp_path):
+    raw = page_aligned_empty(sum(SIZES) + 1, pin=False)
+    buffer = raw[1:]  # one byte off the page boundary: direct I/O cannot take it
+    views = filled(buffer)
+    path = str(tmp_path / "rank.data")
+    record = write(path, views, memoryview(buffer.numpy()))
+    assert all(resident_pages(path)), "a buffered write leaves the file in the page cache"
+    assert read_back(path, record, sum(SIZES)) == buffer.numpy().tobytes()
+
+
+def test_a_device_refusing_direct_io_midway_gets_the_rest_buffered(tmp_path, monkeypatch):
+    """The kernel's EINVAL (a device with larger blocks) is the one thing stood in for here."""
+    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    views = filled(buffer)
+    path = str(tmp_path / "rank.data")
+    real_pwrite, direct_writes = os.pwrite, []
+
+    def pwrite(fd: int, data, offset: int) -> int:
+        if os.get_blocking(fd) and fcntl_flags(fd) & os.O_DIRECT:
+            direct_writes.append(offset)
+            if len(direct_writes) > 1:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    record = write(path, views, memoryview(buffer.numpy()))
+    monkeypatch.undo()
+    assert len(direct_writes) == 2, "one direct write went through, the second was refused"
+    assert open(path, "rb").read() == buffer.numpy().tobytes()
+    assert read_back(path, record, sum(SIZES)) == buffer.numpy().tobytes()
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def test_compressed_files_keep_the_buffered_path(tmp_path):
+    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    views = filled(buffer)
+    buffer[: SIZES[0]].zero_()  # one blob that zstd shrinks
+    path = str(tmp_path / "rank.data")
+    record = write(path, views, memoryview(buffer.numpy()), codec="zstd")
+    assert any(c[5] == 1 for c in record["chunks"]), "the zeros were compressed"
+    assert read_back(path, record, sum(SIZES)) == buffer.numpy().tobytes()
+
+
+def test_blobs_that_are_not_the_buffer_are_refused(tmp_path):
+    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    views = filled(buffer)
+    with pytest.raises(ValueError, match="the blobs hold"):
+        write(str(tmp_path / "rank.data"), views[:-1], memoryview(buffer.numpy()))
+
+
+def test_checkpoint_written_directly_restores_exactly(tmp_path):
+    state = {"w": torch.randn(1000, 333), "b": torch.arange(17, dtype=torch.int16)}
+    with Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt:
+        ckpt.save(1, state).result()
+        data = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path / "ckpt") for f in fs if f.endswith(".data")]
+        assert data and not any(resident_pages(data[0])[:-1]), "the checkpointer's files skip the page cache"
+        got = {"w": torch.zeros(1000, 333), "b": torch.zeros(17, dtype=torch.int16)}
+        assert ckpt.restore(got) == 1
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
