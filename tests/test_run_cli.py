@@ -64,3 +64,29 @@ def test_standalone_two_workers_get_torchruns_environment(tmp_path):
     assert [s["RANK"] for s in seen] == ["0", "1"] and {s["WORLD_SIZE"] for s in seen} == {"2"}
     assert all(s[k] is not None for s in seen for k in s), seen
     assert seen[0]["argv"] == ["--log", str(out)]
+
+
+@pytest.mark.parametrize("body, code, printed", [
+    ("return 3", 3, ""),
+    ("return None", 0, ""),
+    ("sys.exit('bad flag --x')", 1, "bad flag --x"),
+    ("raise RuntimeError('boom')", 1, "RuntimeError: boom"),
+    ("raise KeyboardInterrupt", 130, "KeyboardInterrupt"),
+])
+def test_commands_exit_with_the_status_the_interpreter_would_give_after_exit_handlers(body, code, printed):
+    """The commands skip the interpreter's teardown (resilient/_exit.py): the status, the
+    message, exit handlers and buffered output must be what a normal exit gives."""
+    script = (
+        "import atexit, importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('exit_', {os.path.join(REPO, 'resilient', '_exit.py')!r})\n"
+        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "atexit.register(lambda: print('exit handler ran'))\n"
+        "def command():\n"
+        "    print('buffered line', end='')\n"
+        f"    {body}\n"
+        "mod.run_and_exit(command)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode == code, out
+    assert out.stdout.startswith("buffered line") and "exit handler ran" in out.stdout
+    assert printed in out.stderr
