@@ -15,6 +15,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, MutableMapping
 
+import torch
 
 from ._catalog import Catalog
 from ._claim import claim_root, job_id, live_sessions, release_root
