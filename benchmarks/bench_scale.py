@@ -176,7 +176,7 @@ def serve(conn: Any, spec: Spec) -> None:
                     threading.Thread(target=rendezvous, args=(i,), daemon=True).start()
         elif command == "report":  # arg: (records already sent, whether to add the etcd stats)
             sent, with_stats = arg
-            stats: dict[str, int] = {}
+            stats: dict[str, int] = {"cpu_ms": int(process_cpu_s() * 1e3)} if with_stats else {}
             for h in list(handlers.values()) if with_stats else []:
                 etcd = getattr(h, "etcd", None)
                 for key, value in (etcd.stats_snapshot() if etcd is not None else {}).items():
@@ -393,6 +393,31 @@ class Gang:
                 proc.kill()
 
 
+def service_cpu_s(service: Any) -> float:
+    """CPU seconds the coordination service has used so far: etcd's processes (every member
+    of a cluster), or, for c10d, this driver process, whose thread hosts torch's store."""
+    members = getattr(service, "members", None) or ([service] if hasattr(service, "proc") else [])
+    if not members:
+        return process_cpu_s()
+    total = 0.0
+    for member in members:
+        try:
+            with open(f"/proc/{member.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, AttributeError, IndexError, ValueError):
+            continue  # not Linux, or a member that is gone: counted as nothing
+    return total
+
+
+def cpu_split(stats: dict[str, int], before: dict[str, int], service_s: float, agents: int) -> dict[str, float]:
+    """Where the CPU of one phase went, per agent, and what it implies: on this machine's
+    cores, the phase cannot take less than all that CPU divided by the cores."""
+    agents_s = (stats.get("cpu_ms", 0) - before.get("cpu_ms", 0)) / 1e3
+    return {"agents_ms": round(agents_s / agents * 1e3, 2), "service_ms": round(service_s / agents * 1e3, 2),
+            "floor_s": round((agents_s + service_s) / (os.cpu_count() or 1), 2)}
+
+
 def per_round(stats: dict[str, int], before: dict[str, int], agents: int, rounds: int) -> dict[str, float]:
     """Requests and bytes per agent per round between two stats snapshots, keep-alives apart."""
     delta = {k: stats.get(k, 0) - before.get(k, 0) for k in stats}
@@ -401,23 +426,26 @@ def per_round(stats: dict[str, int], before: dict[str, int], agents: int, rounds
     return {"requests": requests / agents / rounds, "bytes": nbytes / agents / rounds}
 
 
-def run_case(backend: str, n: int, endpoint: str, procs: int, lease_ttl: int,
+def run_case(backend: str, n: int, service: Any, endpoint: str, procs: int, lease_ttl: int,
              monitor_interval: float) -> dict[str, Any]:
     spec = Spec(backend, endpoint, f"scale-{backend}-{n}-{time.time_ns()}", n, [], lease_ttl, monitor_interval)
     gang = Gang(spec, min(procs, n))
     result: dict[str, Any] = {"backend": backend, "agents": n, "procs": len(gang.procs)}
     try:
         _, stats0, _ = gang.report()
+        service0 = service_cpu_s(service)
         records = gang.form_all(n, result, "round")
         if records is None:
             return result
         result["formation_rounds"] = len({r[1] for r in records})
         _, stats1, _ = gang.report()
+        result["formation_cpu"] = cpu_split(stats1, stats0, service_cpu_s(service) - service0, n)
         t1 = time.time()
         if backend == "etcd-v3":
             result["formation_per_agent"] = per_round(stats1, stats0, n, 1)
         time.sleep(1.0)  # steady state: only keep-alives
         _, stats_idle, _ = gang.report()
+        service_idle = service_cpu_s(service)
         victim = n - 1
         killed = time.time()
         gang.send("kill", victim)
@@ -425,6 +453,7 @@ def run_case(backend: str, n: int, endpoint: str, procs: int, lease_ttl: int,
             gang.send("rejoin")
         gang.reformed(n - 1, killed, result, "round")
         _, stats2, _ = gang.report()
+        result["reform_cpu"] = cpu_split(stats2, stats_idle, service_cpu_s(service) - service_idle, n - 1)
         if backend == "etcd-v3":
             result["reform_per_agent"] = per_round(stats2, stats_idle, n - 1, 1)
             keepalives = stats2.get("/lease/keepalive requests", 0) - stats1.get("/lease/keepalive requests", 0)
@@ -516,11 +545,12 @@ def render_rendezvous(results: list[dict[str, Any]]) -> str:
     sizes = sorted({r["agents"] for r in results})
     etcds = sorted({r.get("etcd", "single") for r in results if r["backend"] == "etcd-v3"})
     lines = ["| agents | " + " | ".join(f"etcd-v3 ({e}): ranked / re-formed" for e in etcds)
-             + " | c10d: ranked / re-formed | etcd-v3 requests (bytes) per agent per round: formation / re-form |",
-             "|---|" + "---|" * (len(etcds) + 2)]
+             + " | c10d: ranked / re-formed | etcd-v3 requests (bytes) per agent per round: formation / re-form "
+             + f"| etcd-v3 formation CPU per agent: agents + etcd (floor on {os.cpu_count()} cores) |",
+             "|---|" + "---|" * (len(etcds) + 3)]
     for n in sizes:
         row = [str(n)]
-        per = ""
+        per = cpu = ""
         for e in etcds:
             r = next((x for x in results if x["backend"] == "etcd-v3" and x["agents"] == n
                       and x.get("etcd", "single") == e), None)
@@ -530,10 +560,13 @@ def render_rendezvous(results: list[dict[str, Any]]) -> str:
                 f, g = r["formation_per_agent"], r.get("reform_per_agent") or {}
                 per = (f"{f['requests']:.1f} ({f['bytes'] / 1e3:.1f} kB) / "
                        + (f"{g['requests']:.1f} ({g['bytes'] / 1e3:.1f} kB)" if g else "–"))
+                c = r.get("formation_cpu")
+                cpu = f"{c['agents_ms']:.1f} + {c['service_ms']:.1f} ms ({c['floor_s']:.2f} s)" if c else ""
         c = next((x for x in results if x["backend"] == "c10d" and x["agents"] == n), None)
         row.append("–" if c is None else _short(c["error"]) if "formation_s" not in c
                    else f"{fmt(c['formation_s'])} / {fmt(c.get('reform_s'))}")
         row.append(per or "–")
+        row.append(cpu or "–")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -598,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
                         port = free_port()
                         service = _c10d_store(port)
                         endpoint = f"127.0.0.1:{port}"
-                    result = run_case(backend, n, endpoint, args.procs, args.lease_ttl, args.monitor_interval)
+                    result = run_case(backend, n, service, endpoint, args.procs, args.lease_ttl, args.monitor_interval)
                 except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
                     result = {"backend": backend, "agents": n, "error": f"{type(exc).__name__}: {exc}"}
                 finally:
