@@ -556,7 +556,7 @@ def render_rendezvous(results: list[dict[str, Any]]) -> str:
                       and x.get("etcd", "single") == e), None)
             row.append("–" if r is None else _short(r["error"]) if "formation_s" not in r
                        else f"{fmt(r['formation_s'])} / {fmt(r.get('reform_s'))}")
-            if r and "formation_per_agent" in r and not per:
+            if r and "formation_per_agent" in r and (not per or e == "single"):  # single's figures first
                 f, g = r["formation_per_agent"], r.get("reform_per_agent") or {}
                 per = (f"{f['requests']:.1f} ({f['bytes'] / 1e3:.1f} kB) / "
                        + (f"{g['requests']:.1f} ({g['bytes'] / 1e3:.1f} kB)" if g else "–"))
