@@ -113,6 +113,15 @@ def test_connection_close_is_honoured():
     assert server.connections == 2
 
 
+def test_an_answer_ended_by_the_server_closing_is_read_whole_and_its_connection_not_reused():
+    server = Replayer([(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + b'{"n": 1}',),
+                       _json_answer({"n": 2})])
+    transport = server.transport()
+    assert transport.post(0, "/kv/range", {})[0] == {"n": 1}
+    assert transport.post(0, "/kv/range", {})[0] == {"n": 2}
+    assert server.connections == 2
+
+
 @pytest.mark.parametrize("answer, words", [
     (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", "not an HTTP/1.1 answer"),
     (OK_HEAD + b"Content-Length: %d\r\n\r\n" % (MAX_BODY + 1), "Content-Length"),

@@ -63,6 +63,7 @@ class _Connection:
             raise
         self.sock = sock
         self._reader = sock.makefile("rb")
+        self.spent = False  # the server ends this connection after the answer being read
         self._host = f"{host}:{port}".encode()
 
     def send(self, path: str, payload: bytes, headers: dict[str, str]) -> None:
@@ -98,8 +99,12 @@ class _Connection:
         if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
             return b"".join(iter(self.chunk, b""))
         length = headers.get(b"content-length")
-        if length is None:
-            return self._reader.read(MAX_BODY + 1)[:MAX_BODY]  # until the server closes
+        if length is None:  # delimited by the server closing: the connection is spent
+            self.spent = True
+            data = self._reader.read(MAX_BODY + 1)
+            if len(data) > MAX_BODY:
+                raise _BadResponse(f"an answer of over {MAX_BODY} bytes")
+            return data
         if not length.isdigit() or int(length) > MAX_BODY:
             raise _BadResponse(f"Content-Length {length[:40]!r} is not a length up to {MAX_BODY} bytes")
         data = self._reader.read(int(length))
@@ -191,7 +196,7 @@ class JsonTransport:
             except OSError as exc:  # timed out, TLS, a broken answer
                 self._drop(index)
                 raise Unreachable(f"{self.url(index)}: {exc}") from exc
-            if headers.get(b"connection", b"").lower() == b"close":
+            if conn.spent or headers.get(b"connection", b"").lower() == b"close":
                 self._drop(index)
             self._check(index, status, reason, data)
             return json.loads(data), len(payload) + len(data)
