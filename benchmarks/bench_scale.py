@@ -567,6 +567,10 @@ def render_rendezvous(results: list[dict[str, Any]]) -> str:
                    else f"{fmt(c['formation_s'])} / {fmt(c.get('reform_s'))}")
         row.append(per or "–")
         row.append(cpu or "–")
+        ttls = {x.get("lease_ttl") for x in results if x["agents"] == n and x["backend"] == "etcd-v3"}
+        first = next((x for x in results if x["agents"] == n and x["backend"] == "etcd-v3"), None)
+        if first is not None and ttls != {5}:  # the table's default lease TTL is 5 s
+            row[0] += f" (TTL {first.get('lease_ttl')} s)"  # the row shows the first run of that size
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
