@@ -184,3 +184,28 @@ def test_without_a_standby_a_lost_store_ends_the_in_process_path():
     finally:
         host.kill()
         group.close()
+
+
+def test_a_round_whose_standby_never_appears_goes_on_without_one(caplog):
+    """Rank 1's agent died as the round began and never published its standby store: rank 0's
+    agent waits the bounded time, says so once, and hosts a store the workers can regroup in
+    (the loss of that store's node then means a process restart, as the test above shows)."""
+    round_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=30))
+    started = time.monotonic()
+    with caplog.at_level("WARNING"):
+        recovery = InProcessRecovery.for_round(round_store, 0, "node0", secret=new_secret(), group_world_size=2,
+                                               standby_wait_s=0.5)
+    group = None
+    try:
+        assert 0.5 <= time.monotonic() - started < 10
+        assert recovery.standby == ""
+        assert "no standby regroup store was published within 0.5 s" in caplog.text
+        group = Regroup(recovery.address, secret=recovery.secret, node="node0", rank=0, initial_world_size=1,
+                        heartbeat=False, member_id="node0-rank0", timeout=30)
+        gen = group.form(None)
+        assert (gen.number, gen.rank, gen.world_size) == (0, 0, 1)
+    finally:
+        if group is not None:
+            group.close()
+        recovery.close(wait=True)

@@ -60,15 +60,15 @@ def _host_store(round_store: Store) -> tuple[TCPStore, str]:
     return server, f"{host}:{server.port}/{secrets.token_hex(8)}"
 
 
-def _standby_of(round_store: Store) -> str:
+def _standby_of(round_store: Store, wait_s: float = STANDBY_WAIT_S) -> str:
     """The standby's address, as rank 1's agent published it; "" if it did not within
-    ``STANDBY_WAIT_S`` (it died as the round began): the round goes on without one."""
+    ``wait_s`` (it died as the round began): the round goes on without one."""
     try:
-        round_store.wait([STANDBY_KEY], timedelta(seconds=STANDBY_WAIT_S))
+        round_store.wait([STANDBY_KEY], timedelta(seconds=wait_s))
         return round_store.get(STANDBY_KEY).decode()
     except DistStoreError:
-        log.warning("no standby regroup store was published within %.0f s: losing the store's node will "
-                    "mean a process restart this round", STANDBY_WAIT_S)
+        log.warning("no standby regroup store was published within %.1f s: losing the store's node will "
+                    "mean a process restart this round", wait_s)
         return ""
 
 
@@ -150,7 +150,7 @@ class InProcessRecovery:
 
     @classmethod
     def for_round(cls, round_store: Store, group_rank: int, node: str = "", secret: str | None = None,
-                  group_world_size: int = 1) -> "InProcessRecovery":
+                  group_world_size: int = 1, standby_wait_s: float = STANDBY_WAIT_S) -> "InProcessRecovery":
         """Host (rank 0: the store; rank 1: its standby) or look up this round's regroup
         stores; heartbeat there for ``node``.
 
@@ -174,7 +174,7 @@ class InProcessRecovery:
                     round_store.set(UNGUARDED_SECRET_KEY, secret)
         if secret is None:
             secret = round_store.get(UNGUARDED_SECRET_KEY).decode()
-        standby = _standby_of(round_store) if group_world_size > 1 else ""
+        standby = _standby_of(round_store, standby_wait_s) if group_world_size > 1 else ""
         return cls(round_store.get(KEY).decode(), servers, node, secret=secret, standby=standby,
                    store_node=round_store.get(STORE_NODE_KEY).decode())
 
