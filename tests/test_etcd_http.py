@@ -129,6 +129,8 @@ def test_an_answer_ended_by_the_server_closing_is_read_whole_and_its_connection_
     (OK_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
     (OK_HEAD + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % (MAX_BODY + 1), "chunk of"),
     (OK_HEAD + b"X-Long: " + b"a" * 70000 + b"\r\n\r\n", "a line of over"),
+    (OK_HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20)) * 65,
+     "a chunked answer of over"),
 ])
 def test_a_broken_or_oversized_answer_is_refused_naming_what_is_wrong(answer, words):
     server = Replayer([answer])

@@ -49,6 +49,11 @@ class Unreachable(ConnectionError):
     """The endpoint could not be reached (refused, reset, timed out, TLS failed)."""
 
 
+def chunked(headers: dict[bytes, bytes]) -> bool:
+    """Whether an answer's body comes in chunks (etcd's streams and keep-alives do)."""
+    return headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+
+
 class _Connection:
     """One HTTP/1.1 connection to one endpoint: a request, then its answer, in turn."""
 
@@ -96,8 +101,14 @@ class _Connection:
 
     def body(self, headers: dict[bytes, bytes]) -> bytes:
         """The whole body of an answer whose headers were just read."""
-        if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            return b"".join(iter(self.chunk, b""))
+        if chunked(headers):
+            pieces, total = [], 0
+            for piece in iter(self.chunk, b""):
+                total += len(piece)
+                if total > MAX_BODY:
+                    raise _BadResponse(f"a chunked answer of over {MAX_BODY} bytes")
+                pieces.append(piece)
+            return b"".join(pieces)
         length = headers.get(b"content-length")
         if length is None:  # delimited by the server closing: the connection is spent
             self.spent = True
@@ -222,7 +233,7 @@ class JsonTransport:
         except BaseException:
             conn.close()
             raise
-        return Stream(conn, chunked=headers.get(b"transfer-encoding", b"").lower() == b"chunked")
+        return Stream(conn, chunked=chunked(headers))
 
     def _check(self, index: int, status: int, reason: str, data: bytes) -> None:
         """Raise what a status other than 200 means: next member, or etcd's refusal."""
