@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 ROUND_TIMEOUT_S = 180.0
+DEFAULT_LEASE_TTL_S = 5  # the tables' lease TTL; rows run with another one say so
 SIM_SECRET = "the simulated job's secret"  # seals the regroup store, as the agent's round secret does
 #: Set once the benchmark runs in a network namespace of its own with only loopback up.
 #: Why: torch's TCPStore client looks up the reverse name of every address it connects to,
@@ -568,10 +569,9 @@ def render_rendezvous(results: list[dict[str, Any]]) -> str:
                    else f"{fmt(c['formation_s'])} / {fmt(c.get('reform_s'))}")
         row.append(per or "–")
         row.append(cpu or "–")
-        ttls = {x.get("lease_ttl") for x in results if x["agents"] == n and x["backend"] == "etcd-v3"}
-        first = next((x for x in results if x["agents"] == n and x["backend"] == "etcd-v3"), None)
-        if first is not None and ttls != {5}:  # the table's default lease TTL is 5 s
-            row[0] += f" (TTL {first.get('lease_ttl')} s)"  # the row shows the first run of that size
+        runs = [x for x in results if x["agents"] == n and x["backend"] == "etcd-v3"]
+        if runs and any(x.get("lease_ttl") != DEFAULT_LEASE_TTL_S for x in runs):
+            row[0] += f" (TTL {runs[0].get('lease_ttl')} s)"  # the row shows the first run of that size
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -583,7 +583,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--procs", type=int, default=8, help="processes the agents are spread over")
     p.add_argument("--backends", default="etcd-v3,c10d")
     p.add_argument("--etcd", default="single", help="single, cluster3, or both: single,cluster3")
-    p.add_argument("--lease-ttl", type=int, default=5)
+    p.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL_S)
     p.add_argument("--monitor-interval", type=float, default=0.1, help="torchrun's default")
     p.add_argument("--regroup", default="", metavar="NODES",
                    help="also simulate in-process regrouping at these node counts (e.g. 8,128,1024)")
