@@ -25,6 +25,8 @@ import time
 import urllib.request
 from typing import Any
 
+from .launch._orphan_guard import dies_with_this_thread
+
 
 _handed_out: set[int] = set()
 _random = random.Random()
@@ -130,7 +132,7 @@ class EtcdServer:
              "--listen-peer-urls", f"http://{self.host}:{self.peer_port}",
              "--initial-advertise-peer-urls", f"http://{self.host}:{self.peer_port}",
              "--initial-cluster", self.initial_cluster],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=dies_with_this_thread())
 
     def wait_healthy(self, timeout: float = 20.0) -> None:
         url = f"{self.url}/health"
