@@ -4,11 +4,13 @@
     python -m benchmarks.bench_checkpoint --sizes 1 --worlds 1
 
 For each state size (model + Adam moments: 26 fp32 parameter tensors and their two
-moments), world size and layout (replicated as under DDP, sharded as DTensor Shard(0)),
-every method saves twice (the second, steady-state save is measured) and restores once
-from a cold page cache. The machine's limits (memcpy into a touched buffer, fsync'd
-sequential write, cold sequential read) are measured in the same run; the table reports
-times and ratios against them. Results go to stdout (markdown) and ``--out`` (JSON).
+moments), world size and layout (replicated as under DDP, sharded as DTensor Shard(0)), the
+run goes in rounds. In each round the machine's limits are measured (memcpy into a touched
+buffer; fsync'd sequential write, buffered and direct; cold read as one reader, one per rank
+and four per rank), every method saves twice (the second, steady-state save is measured),
+and then every method restores from a cold page cache, the methods' order rotating from
+round to round. Each figure is a ratio against its own round's limits; the table gives the
+medians over rounds. Results go to stdout (markdown) and ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import (GB, PeakRSS, direct_write_seconds, disk_seconds, drop_cache, mean_step_seconds,
-                               memcpy_seconds)
+from benchmarks.common import (GB, PeakRSS, direct_write_seconds, drop_cache, mean_step_seconds, memcpy_seconds,
+                               read_range_seconds, write_file)
 
 N_PARAMS = 26
 METHODS = ["resilient", "torch.save", "dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)",
@@ -96,7 +98,8 @@ def zero_state(state: dict[str, Any]) -> None:
 class Method:
     """save(step) -> (stall seconds, seconds to durable); restore() -> seconds."""
 
-    def __init__(self, name: str, root: str, state: dict[str, Any], rank: int, world: int, layout: str) -> None:
+    def __init__(self, name: str, root: str, state: dict[str, Any], rank: int, world: int, layout: str,
+                 restore_only: bool = False) -> None:
         self.name, self.root, self.state, self.rank, self.world, self.layout = name, root, state, rank, world, layout
         self.stager = None
         self.ckpt = None
@@ -104,7 +107,7 @@ class Method:
             from resilient import Checkpointer
 
             self.ckpt = Checkpointer(root, keep=1, rng=False)
-        if name == "dcp.async_save+DefaultStager":
+        if name == "dcp.async_save+DefaultStager" and not restore_only:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             self.stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, True, False))
@@ -174,6 +177,14 @@ class Method:
             dcp.load(self.state, checkpoint_id=self.path(step))
         return time.perf_counter() - t0
 
+    def forget_before(self, step: int) -> None:
+        """Delete the steps before ``step`` (resilient's ``keep=1`` does so itself): the
+        rounds keep every method's last checkpoint on disk until all have restored."""
+        _barrier()
+        if self.rank == 0 and self.ckpt is None:
+            for old in range(1, step):
+                shutil.rmtree(self.path(old), ignore_errors=True)
+
     def close(self) -> None:
         if self.ckpt is not None:
             self.ckpt.close()
@@ -203,46 +214,110 @@ def step_slowdown(save: Callable[[], Callable[[], bool]]) -> float:
     return mean_step_seconds(done, 10_000) / idle
 
 
+def _rotated(items: list[str], by: int) -> list[str]:
+    by %= max(len(items), 1)
+    return items[by:] + items[:by]
+
+
+def _timed_together(action: Callable[[], None]) -> float:
+    """Seconds from a barrier before ``action`` on every rank to a barrier after it: the time
+    the slowest rank needed, as a job sees it."""
+    _barrier()
+    t0 = time.perf_counter()
+    action()
+    _barrier()
+    return time.perf_counter() - t0
+
+
+def _disk_limits(probe: str, nbytes: int, rank: int, world: int) -> dict[str, float]:
+    """The disk's limits now (seconds for ``nbytes``): fsync'd write, buffered and direct (the
+    writer uses direct I/O where it can), and a cold read of ``probe`` in several patterns,
+    since which one the disk serves fastest varies (one reader, one per rank, four per rank)."""
+    scratch = os.path.join(os.path.dirname(probe), "write-probe.bin")
+
+    def on_rank0(action: Callable[[], float]) -> float:
+        took = [action() if rank == 0 else 0.0]
+        if dist.is_initialized():
+            dist.broadcast_object_list(took, src=0)
+        return took[0]
+
+    def buffered() -> float:
+        took = write_file(scratch, nbytes)
+        os.unlink(scratch)
+        return took
+
+    out = {"write_buffered_s": on_rank0(buffered),
+           "write_direct_s": on_rank0(lambda: direct_write_seconds(os.path.dirname(probe), nbytes))}
+    share = (nbytes * rank // world, nbytes * (rank + 1) // world)
+    patterns = {"read_one_reader_s": lambda: rank == 0 and read_range_seconds(probe, 0, nbytes),
+                "read_per_rank_s": lambda: read_range_seconds(probe, *share),
+                "read_4_per_rank_s": lambda: read_range_seconds(probe, *share, threads=4)}
+    if world == 1:
+        del patterns["read_per_rank_s"]
+    for key, read in patterns.items():
+        if rank == 0:
+            drop_cache(probe)
+        out[key] = _timed_together(read)
+    out["write_s"] = min(out["write_buffered_s"], out["write_direct_s"])
+    out["read_s"] = min(v for k, v in out.items() if k.startswith("read_"))
+    return out
+
+
 def worker(args: dict[str, Any]) -> None:
+    """Rounds in which every method saves (its own block: each holds its buffers only while it
+    saves) and then all restore, interleaved, with the machine's limits measured in the same
+    round. The disk drifts by 2-3× within minutes here, so each method is compared with
+    limits measured minutes, not a quarter of an hour, apart, and the methods' order rotates."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dist.init_process_group("gloo")  # DCP's process executor needs one even for a single rank
     rank = dist.get_rank() if dist.is_initialized() else 0
     state = build_state(int(args["gb"] * GB), world, args["layout"])
-    nbytes = local_nbytes(state)
-    memcpy_local = memcpy_seconds(nbytes, sync=_barrier)  # every rank copying at once, as in a save
-    results = []
-    for name in args["methods"]:
-        root = os.path.join(args["root"], name.replace("+", "_").replace("(", "_").strip(")"))
-        _barrier()
-        stalls, durables, restores = [], [], []
-        with PeakRSS() as rss:  # from before the method exists: buffers it keeps count too
-            method = Method(name, root, state, rank, world, args["layout"])
-            method.save(1)  # warm-up: buffers, daemons, first touch
-            for step in range(2, 2 + args["repeats"]):
+    nbytes, total = local_nbytes(state), int(args["gb"] * GB)
+    os.makedirs(args["root"], exist_ok=True)
+    probe = os.path.join(args["root"], "read-probe.bin")
+    if rank == 0:
+        write_file(probe, total)
+    records: list[dict[str, Any]] = []
+    roots = {name: os.path.join(args["root"], name.replace("+", "_").replace("(", "_").strip(")"))
+             for name in args["methods"]}
+    for rnd in range(args["rounds"]):
+        limits = {"round": rnd, "memcpy_local_s": memcpy_seconds(nbytes, sync=_barrier),
+                  **_disk_limits(probe, total, rank, world)}
+        records.append({"limits": limits})
+        last_step = {}
+        for name in _rotated(args["methods"], rnd):
+            _barrier()
+            with PeakRSS() as rss:  # from before the method exists: buffers it keeps count too
+                method = Method(name, roots[name], state, rank, world, args["layout"])
+                method.save(1)  # warm-up: buffers, daemons, first touch
                 time.sleep(args.get("gap", 1.0))  # saves are spaced by training steps, not back to back
                 _barrier()
-                stall, durable = method.save(step)
-                stalls.append(stall)
-                durables.append(durable)
-        last = 1 + args["repeats"]
-        for _ in range(2):
+                stall, durable = method.save(2)
+                last_step[name] = 2
+                slowdown = None
+                if rnd == 0 and args.get("slowdown") and name in ("resilient", "dcp.async_save+DefaultStager"):
+                    slowdown = step_slowdown(lambda: _start_async(method, 3))
+                    last_step[name] = 3
+            method.close()
+            method.forget_before(last_step[name])
+            records.append({"round": rnd, "method": name, "stall": stall, "durable": durable,
+                            "rss_extra": rss.extra, "slowdown": slowdown})
+            method = None  # drop its buffers before the next method allocates its own
+            gc.collect()
+        for name in _rotated(args["methods"], rnd + 1):
+            reader = Method(name, roots[name], state, rank, world, args["layout"], restore_only=True)
             _barrier()
             zero_state(state)
-            restores.append(method.restore(last))
-        slowdown = None
-        if args.get("slowdown") and name in ("resilient", "dcp.async_save+DefaultStager"):
-            slowdown = step_slowdown(lambda: _start_async(method, last + 1))
-        method.close()
+            took = reader.restore(last_step[name])
+            reader.close()
+            next(r for r in records if r.get("round") == rnd and r.get("method") == name)["restore"] = took
         _barrier()
-        results.append({"method": name, "rank": rank, "stall": statistics.median(stalls),
-                         "durable": statistics.median(durables), "restore": statistics.median(restores),
-                         "rss_extra": rss.extra, "local_bytes": nbytes, "memcpy_local": memcpy_local,
-                        "slowdown": slowdown})
         if rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
-        method = None  # drop its buffers before the next method allocates its own
-        gc.collect()
-    print("RESULT " + json.dumps(results), flush=True)
+            for root in roots.values():
+                shutil.rmtree(root, ignore_errors=True)
+    if rank == 0:
+        os.unlink(probe)
+    print("RESULT " + json.dumps(records), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -265,7 +340,9 @@ def main() -> None:
     p.add_argument("--sizes", default="1,4", help="state sizes in GB, comma separated (default: %(default)s)")
     p.add_argument("--worlds", default="1,2", help="world sizes (default: %(default)s)")
     p.add_argument("--methods", default=",".join(METHODS), help="methods to run (default: all)")
-    p.add_argument("--repeats", type=int, default=3, help="measured saves per method (median; default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each one measured save and restore per method and the limits (median; "
+                        "default: %(default)s)")
     p.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
     p.add_argument("--out", default="bench-out/checkpoint.json", help="JSON results (default: %(default)s)")
     p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
@@ -273,8 +350,6 @@ def main() -> None:
     if a.render:
         with open(a.render) as f:
             rows = json.load(f)
-        for r in rows:  # ratios are recomputed, so an old file renders with today's definitions
-            r["restore_frac"] = (r["gb"] / r["restore"]) / r["limits"]["read_gbps"]
         print(table(rows))
         return
     from tests.launch import finish, start_ranks
@@ -284,55 +359,77 @@ def main() -> None:
     methods = a.methods.split(",")
     rows = []
     for gb in [float(s) for s in a.sizes.split(",")]:
-        nbytes = int(gb * GB)
-        probes = [disk_seconds(base, nbytes) for _ in range(3)]  # the disk is the noisiest part
-        write_s = statistics.median(w for w, _ in probes)
-        read_s = statistics.median(r for _, r in probes)
-        direct_s = statistics.median(direct_write_seconds(base, nbytes) for _ in range(3))
-        limits = {"memcpy_gbps": nbytes / memcpy_seconds(nbytes) / GB,
-                  # the disk's write limit, whichever way it is reached (the writer uses direct I/O)
-                  "write_gbps": nbytes / min(write_s, direct_s) / GB,
-                  "write_buffered_gbps": nbytes / write_s / GB, "write_direct_gbps": nbytes / direct_s / GB,
-                  "read_gbps": nbytes / read_s / GB}
-        print(f"# {gb:g} GB: memcpy {limits['memcpy_gbps']:.1f} GB/s, fsync'd write {limits['write_buffered_gbps']:.2f} "
-              f"GB/s buffered, {limits['write_direct_gbps']:.2f} GB/s direct, cold read {limits['read_gbps']:.2f} GB/s",
-              flush=True)
         for world in [int(w) for w in a.worlds.split(",")]:
             for layout in ("replicated", "sharded") if world > 1 else ("replicated",):
                 runnable = [m for m in methods if _fits(m, gb, world, layout)]
                 for m in sorted(set(methods) - set(runnable), key=methods.index):
                     print(f"# {gb:g} GB, {world} rank(s), {layout}: {m} skipped (its copies would not fit in RAM)")
                 args = {"gb": gb, "layout": layout, "methods": runnable, "root": os.path.join(base, "ck"),
-                        "slowdown": world == 1, "repeats": a.repeats}
+                        "slowdown": world == 1, "rounds": a.rounds}
                 threads = max(1, (os.cpu_count() or 1) // world)
                 procs = start_ranks("worker", world, args, module="benchmarks.bench_checkpoint",
                                     env={"OMP_NUM_THREADS": str(threads)})
-                outs = finish(procs, timeout=3600)
                 per_rank = []
-                for r in outs:
+                for r in finish(procs, timeout=3600):
                     line = [ln for ln in r.output.splitlines() if ln.startswith("RESULT ")]
                     if r.returncode != 0 or not line:
                         sys.exit(f"worker rank {r.rank} failed ({r.returncode}):\n{r.output[-4000:]}")
                     per_rank.append(json.loads(line[0][7:]))
-                for i, name in enumerate(runnable):
-                    rr = [pr[i] for pr in per_rank]
-                    worst = {k: max(x[k] or 0 for x in rr) for k in ("stall", "durable", "restore", "rss_extra")}
-                    memcpy_local = max(x["memcpy_local"] for x in rr)
-                    row = {"gb": gb, "world": world, "layout": layout, "method": name, **worst, "limits": limits,
-                           "stall_x_memcpy": worst["stall"] / memcpy_local,
-                           "write_frac": (nbytes / worst["durable"] / GB) / limits["write_gbps"],
-                           # every rank restores at once from one disk: the checkpoint's
-                           # bytes are read from it once (replicas share the page cache)
-                           "restore_frac": (nbytes / worst["restore"] / GB) / limits["read_gbps"],
-                           "slowdown": rr[0]["slowdown"]}
-                    rows.append(row)
+                cell = summarize(per_rank, gb, world, layout, runnable)
+                print(_limits_line(cell[0]), flush=True)
+                for row in cell:
                     print(_row(row), flush=True)
+                rows += cell
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(rows, f, indent=1)
     print("\n" + table(rows))
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layout: str,
+              methods: list[str]) -> list[dict[str, Any]]:
+    """One row per method: in each round the slowest rank's times, as ratios against that
+    round's limits; then the median over rounds of both."""
+    nbytes = gb * GB
+    rank0 = per_rank[0]
+    limits = {x["limits"]["round"]: x["limits"] for x in rank0 if "limits" in x}
+    memcpy = {rnd: max(x["limits"]["memcpy_local_s"] for pr in per_rank for x in pr
+                       if "limits" in x and x["limits"]["round"] == rnd) for rnd in limits}
+    med = statistics.median
+    rows = []
+    for name in methods:
+        runs = []
+        for rnd, lim in limits.items():
+            mine = [x for pr in per_rank for x in pr if x.get("method") == name and x.get("round") == rnd]
+            worst = {k: max(x[k] or 0 for x in mine) for k in ("stall", "durable", "restore", "rss_extra")}
+            runs.append({**worst, "stall_x_memcpy": worst["stall"] / memcpy[rnd],
+                         "write_frac": lim["write_s"] / worst["durable"],
+                         # every rank restores at once from one disk: the checkpoint's bytes are
+                         # read from it once (replicas share the page cache or a broadcast)
+                         "restore_frac": lim["read_s"] / worst["restore"]})
+        slowdown = [x["slowdown"] for x in rank0 if x.get("method") == name and x.get("slowdown")]
+        row = {"gb": gb, "world": world, "layout": layout, "method": name, "rounds": len(runs),
+               **{k: med(r[k] for r in runs) for k in ("stall", "durable", "restore", "stall_x_memcpy",
+                                                       "write_frac", "restore_frac")},
+               "rss_extra": max(r["rss_extra"] for r in runs),
+               "limits": {"memcpy_gbps": med(nbytes / world / memcpy[r] / GB for r in limits)
+                          if layout == "sharded" else med(nbytes / memcpy[r] / GB for r in limits),
+                          **{k.replace("_s", "_gbps"): med(nbytes / lim[k] / GB for lim in limits.values())
+                             for k in next(iter(limits.values())) if k.endswith("_s") and k != "memcpy_local_s"}},
+               "slowdown": slowdown[0] if slowdown else None}
+        rows.append(row)
+    return rows
+
+
+def _limits_line(row: dict[str, Any]) -> str:
+    lim = row["limits"]
+    reads = ", ".join(f"{k[5:-5].replace('_', ' ')} {v:.2f}" for k, v in lim.items()
+                      if k.startswith("read_") and k != "read_gbps")
+    return (f"# {row['gb']:g} GB, {row['world']} rank(s), {row['layout']}, medians of {row['rounds']} rounds: "
+            f"fsync'd write {lim['write_buffered_gbps']:.2f} GB/s buffered, {lim['write_direct_gbps']:.2f} direct; "
+            f"cold read GB/s {reads}")
 
 
 # host copies of the rank's local state each method holds at its peak, besides the state itself

@@ -18,19 +18,25 @@ import torch
 GB = 1e9
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 3, sync: Callable[[], None] = lambda: None) -> float:
+def memcpy_seconds(nbytes: int, repeats: int = 3, sync: Callable[[], None] = lambda: None,
+                  chunk: int = 1 << 30) -> float:
     """Median time to copy ``nbytes`` into an already touched buffer (the CPU stall floor).
 
     ``sync`` runs before each copy (a barrier), so that ranks copy at the same time and the
-    floor includes their competition for memory bandwidth, as during a save.
+    floor includes their competition for memory bandwidth, as during a save. The bytes go
+    through buffers of at most ``chunk`` (far larger than any cache, so the rate is DRAM's):
+    several ranks measuring a large state at once must not need twice that state's RAM each.
     """
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    size = min(nbytes, chunk)
+    src = torch.empty(size, dtype=torch.uint8).fill_(1)
+    dst = torch.zeros(size, dtype=torch.uint8)
     times = []
     for _ in range(repeats):
         sync()
         t = time.perf_counter()
-        dst.copy_(src)
+        for start in range(0, nbytes, size):
+            n = min(size, nbytes - start)
+            dst[:n].copy_(src[:n])
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -47,27 +53,55 @@ def drop_cache(path: str) -> None:
             os.close(fd)
 
 
-def disk_seconds(directory: str, nbytes: int, block: int = 64 << 20) -> tuple[float, float]:
-    """(sequential write + fsync, cold sequential read) seconds for ``nbytes`` in ``directory``."""
-    path = os.path.join(directory, "disk-probe.bin")
+def write_file(path: str, nbytes: int, block: int = 64 << 20) -> float:
+    """Write ``nbytes`` sequentially through the page cache and fsync; the seconds it took."""
     buf = memoryview(torch.empty(block, dtype=torch.uint8).fill_(7).numpy())
     t = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    done = 0
-    while done < nbytes:
-        done += os.write(fd, buf[: min(block, nbytes - done)])
-    os.fsync(fd)
-    os.close(fd)
-    write = time.perf_counter() - t
-    drop_cache(path)
-    rbuf = bytearray(block)
+    try:
+        done = 0
+        while done < nbytes:
+            done += os.write(fd, buf[: min(block, nbytes - done)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t
+
+
+def read_range_seconds(path: str, start: int, end: int, threads: int = 1, block: int = 64 << 20) -> float:
+    """Seconds to read bytes [start, end) of ``path``, split into ``threads`` contiguous runs read
+    at once (each sequential, so the kernel's readahead works for each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(lo: int, hi: int) -> None:
+        buf = bytearray(min(block, max(hi - lo, 1)))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while lo < hi:
+                got = os.preadv(fd, [memoryview(buf)[: min(block, hi - lo)]], lo)
+                if got <= 0:
+                    raise EOFError(f"{path}: nothing to read at byte {lo} of [{start}, {end})")
+                lo += got
+        finally:
+            os.close(fd)
+
+    step = -(-(end - start) // threads)
+    runs = [(lo, min(lo + step, end)) for lo in range(start, end, step)]
     t = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(rbuf):
-            pass
-    read = time.perf_counter() - t
-    os.unlink(path)
-    return write, read
+    with ThreadPoolExecutor(len(runs)) as pool:
+        list(pool.map(lambda r: run(*r), runs))
+    return time.perf_counter() - t
+
+
+def disk_seconds(directory: str, nbytes: int) -> tuple[float, float]:
+    """(sequential write + fsync, cold sequential read) seconds for ``nbytes`` in ``directory``."""
+    path = os.path.join(directory, "disk-probe.bin")
+    try:
+        write = write_file(path, nbytes)
+        drop_cache(path)
+        return write, read_range_seconds(path, 0, nbytes)
+    finally:
+        os.unlink(path)
 
 
 def direct_write_seconds(directory: str, nbytes: int, block: int = 64 << 20) -> float:
