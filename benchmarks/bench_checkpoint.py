@@ -30,7 +30,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import (GB, PeakRSS, direct_write_seconds, drop_cache, mean_step_seconds, memcpy_seconds,
+from benchmarks.common import (GB, PeakRSS, drop_cache, mean_step_seconds, memcpy_seconds,
                                read_range_seconds, write_file)
 
 N_PARAMS = 26
@@ -246,8 +246,13 @@ def _disk_limits(probe: str, nbytes: int, rank: int, world: int) -> dict[str, fl
         os.unlink(scratch)
         return took
 
-    out = {"write_buffered_s": on_rank0(buffered),
-           "write_direct_s": on_rank0(lambda: direct_write_seconds(os.path.dirname(probe), nbytes))}
+    def direct() -> float:
+        took = write_file(scratch, nbytes, direct=True)
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+        return took
+
+    out = {"write_buffered_s": on_rank0(buffered), "write_direct_s": on_rank0(direct)}
     share = (nbytes * rank // world, nbytes * (rank + 1) // world)
     patterns = {"read_one_reader_s": lambda: rank == 0 and read_range_seconds(probe, 0, nbytes),
                 "read_per_rank_s": lambda: read_range_seconds(probe, *share),
@@ -404,7 +409,8 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
         for rnd, lim in limits.items():
             mine = [x for pr in per_rank for x in pr if x.get("method") == name and x.get("round") == rnd]
             worst = {k: max(x[k] or 0 for x in mine) for k in ("stall", "durable", "restore", "rss_extra")}
-            runs.append({**worst, "stall_x_memcpy": worst["stall"] / memcpy[rnd],
+            runs.append({"round": rnd, **worst, "memcpy_local_s": memcpy[rnd],
+                         "write_s": lim["write_s"], "read_s": lim["read_s"], "stall_x_memcpy": worst["stall"] / memcpy[rnd],
                          "write_frac": lim["write_s"] / worst["durable"],
                          # every rank restores at once from one disk: the checkpoint's bytes are
                          # read from it once (replicas share the page cache or a broadcast)
@@ -418,7 +424,8 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
                           if layout == "sharded" else med(nbytes / memcpy[r] / GB for r in limits),
                           **{k.replace("_s", "_gbps"): med(nbytes / lim[k] / GB for lim in limits.values())
                              for k in next(iter(limits.values())) if k.endswith("_s") and k != "memcpy_local_s"}},
-               "slowdown": slowdown[0] if slowdown else None}
+               "slowdown": slowdown[0] if slowdown else None,
+               "per_round": runs}  # what the medians come from, kept in the JSON
         rows.append(row)
     return rows
 
