@@ -229,42 +229,54 @@ def _timed_together(action: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def _disk_limits(probe: str, nbytes: int, rank: int, world: int) -> dict[str, float]:
-    """The disk's limits now (seconds for ``nbytes``): fsync'd write, buffered and direct (the
-    writer uses direct I/O where it can), and a cold read of ``probe`` in several patterns,
-    since which one the disk serves fastest varies (one reader, one per rank, four per rank)."""
-    scratch = os.path.join(os.path.dirname(probe), "write-probe.bin")
+READ_PATTERNS = {"read_one_reader_s": (False, 1), "read_per_rank_s": (True, 1), "read_4_per_rank_s": (True, 4)}
+READ_PROBE = "cold read (limit)"  # the read patterns' turn in the restores' rotation
 
-    def on_rank0(action: Callable[[], float]) -> float:
-        took = [action() if rank == 0 else 0.0]
-        if dist.is_initialized():
-            dist.broadcast_object_list(took, src=0)
-        return took[0]
 
-    def buffered() -> float:
-        took = write_file(scratch, nbytes)
-        os.unlink(scratch)
+def _on_rank0(rank: int, action: Callable[[], float]) -> float:
+    took = [action() if rank == 0 else 0.0]
+    if dist.is_initialized():
+        dist.broadcast_object_list(took, src=0)
+    return took[0]
+
+
+def _write_probes(directory: str, nbytes: int, rank: int, world: int) -> tuple[dict[str, float], dict[str, str]]:
+    """The disk's write limit now (seconds for ``nbytes``, fsync'd: buffered and direct, as
+    the writer uses direct I/O where it can), and one file per read pattern for later.
+
+    Each read pattern gets a file of its own, written in the same round as the checkpoints
+    and read once, as they are: a probe file read again and again stays in the caches
+    under the virtual disk, while a checkpoint is read once."""
+    patterns = [k for k in READ_PATTERNS if world > 1 or k != "read_per_rank_s"]
+    files = {k: os.path.join(directory, f"probe-{k[5:-2]}.bin") for k in patterns}
+    paths = list(files.values())  # every rank walks the same list: rank 0 alone writes
+
+    def direct(path: str) -> float:
+        took = write_file(path, nbytes, direct=True)
+        if took == float("inf"):  # no direct I/O here: the read probe still needs its file
+            write_file(path, nbytes)
         return took
 
-    def direct() -> float:
-        took = write_file(scratch, nbytes, direct=True)
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-        return took
-
-    out = {"write_buffered_s": on_rank0(buffered), "write_direct_s": on_rank0(direct)}
-    share = (nbytes * rank // world, nbytes * (rank + 1) // world)
-    patterns = {"read_one_reader_s": lambda: rank == 0 and read_range_seconds(probe, 0, nbytes),
-                "read_per_rank_s": lambda: read_range_seconds(probe, *share),
-                "read_4_per_rank_s": lambda: read_range_seconds(probe, *share, threads=4)}
-    if world == 1:
-        del patterns["read_per_rank_s"]
-    for key, read in patterns.items():
-        if rank == 0:
-            drop_cache(probe)
-        out[key] = _timed_together(read)
+    out = {"write_buffered_s": _on_rank0(rank, lambda: write_file(paths[0], nbytes)),
+           "write_direct_s": _on_rank0(rank, lambda: direct(paths[1]))}
+    for path in paths[2:]:  # a third pattern's file: one more buffered sample
+        out["write_buffered_s"] = min(out["write_buffered_s"], _on_rank0(rank, lambda: write_file(path, nbytes)))
     out["write_s"] = min(out["write_buffered_s"], out["write_direct_s"])
-    out["read_s"] = min(v for k, v in out.items() if k.startswith("read_"))
+    return out, files
+
+
+def _read_probes(files: dict[str, str], nbytes: int, rank: int, world: int) -> dict[str, float]:
+    """A cold read of each pattern's file (one reader, one per rank, four per rank: which
+    one the disk serves fastest varies); the limit is the fastest."""
+    share = (nbytes * rank // world, nbytes * (rank + 1) // world)
+    out = {}
+    for key, path in files.items():
+        per_rank, threads = READ_PATTERNS[key]
+        if rank == 0:
+            drop_cache(path)
+        out[key] = _timed_together(lambda: (per_rank or rank == 0) and read_range_seconds(
+            path, *(share if per_rank else (0, nbytes)), threads=threads))
+    out["read_s"] = min(out.values())
     return out
 
 
@@ -279,15 +291,12 @@ def worker(args: dict[str, Any]) -> None:
     state = build_state(int(args["gb"] * GB), world, args["layout"])
     nbytes, total = local_nbytes(state), int(args["gb"] * GB)
     os.makedirs(args["root"], exist_ok=True)
-    probe = os.path.join(args["root"], "read-probe.bin")
-    if rank == 0:
-        write_file(probe, total)
     records: list[dict[str, Any]] = []
     roots = {name: os.path.join(args["root"], name.replace("+", "_").replace("(", "_").strip(")"))
              for name in args["methods"]}
     for rnd in range(args["rounds"]):
-        limits = {"round": rnd, "memcpy_local_s": memcpy_seconds(nbytes, sync=_barrier),
-                  **_disk_limits(probe, total, rank, world)}
+        writes, probes = _write_probes(args["root"], total, rank, world)
+        limits = {"round": rnd, "memcpy_local_s": memcpy_seconds(nbytes, sync=_barrier), **writes}
         records.append({"limits": limits})
         last_step = {}
         for name in _rotated(args["methods"], rnd):
@@ -309,7 +318,10 @@ def worker(args: dict[str, Any]) -> None:
                             "rss_extra": rss.extra, "slowdown": slowdown})
             method = None  # drop its buffers before the next method allocates its own
             gc.collect()
-        for name in _rotated(args["methods"], rnd + 1):
+        for name in _rotated([*args["methods"], READ_PROBE], rnd + 1):
+            if name == READ_PROBE:
+                limits.update(_read_probes(probes, total, rank, world))
+                continue
             reader = Method(name, roots[name], state, rank, world, args["layout"], restore_only=True)
             _barrier()
             zero_state(state)
@@ -320,8 +332,8 @@ def worker(args: dict[str, Any]) -> None:
         if rank == 0:
             for root in roots.values():
                 shutil.rmtree(root, ignore_errors=True)
-    if rank == 0:
-        os.unlink(probe)
+            for path in probes.values():
+                os.unlink(path)
     print("RESULT " + json.dumps(records), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
