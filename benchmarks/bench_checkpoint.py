@@ -434,7 +434,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
                "rss_extra": max(r["rss_extra"] for r in runs),
                "limits": {"memcpy_gbps": med(nbytes / world / memcpy[r] / GB for r in limits)
                           if layout == "sharded" else med(nbytes / memcpy[r] / GB for r in limits),
-                          **{k.replace("_s", "_gbps"): med(nbytes / lim[k] / GB for lim in limits.values())
+                          **{k[:-2] + "_gbps": med(nbytes / lim[k] / GB for lim in limits.values())
                              for k in next(iter(limits.values())) if k.endswith("_s") and k != "memcpy_local_s"}},
                "slowdown": slowdown[0] if slowdown else None,
                "per_round": runs}  # what the medians come from, kept in the JSON
