@@ -91,6 +91,20 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
 
 
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return _FLAGS[raw.strip().lower()]
+    except KeyError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a flag (1/0, true/false, "
+                         f"yes/no, on/off)") from None
+
+
 class Checkpointer:
     """Asynchronous, sharded, crash-consistent checkpoints of a training job.
 
@@ -132,6 +146,12 @@ class Checkpointer:
             parameters and state) while training goes on, and makes their next ``step()``
             wait for the copy; ``"sync"`` copies everything inside ``save``; ``"auto"``
             (default, or ``RESILIENT_STAGING``) overlaps when the state is on a GPU.
+        chunk_bytes: bytes per checksummed chunk of a data file.
+        direct_io: write data files past the page cache (default ``RESILIENT_DIRECT_IO``
+            or on): the commit comes at the disk's speed without a core copying into the
+            cache. Off, the files go through the page cache and stay there, so a restart
+            on this node restores from memory, at the price of a slower commit that
+            competes with training for a core.
     """
 
     def __init__(
@@ -153,6 +173,7 @@ class Checkpointer:
         commit_timeout: float | None = None,
         staging: str | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        direct_io: bool | None = None,
         _memory: PeerMemory | None = None,
         _on_hang: Callable[[float, float], None] | None = None,
         _generation: int | None = None,
@@ -170,6 +191,7 @@ class Checkpointer:
             raise ValueError(f"staging must be one of {', '.join(STAGING_MODES)} (argument or RESILIENT_STAGING), "
                              f"got {staging!r}")
         self.staging = staging
+        self.direct_io = direct_io if direct_io is not None else _env_flag("RESILIENT_DIRECT_IO", True)
         self.root = os.fspath(root)
         self.remote = remote
         self.storage_options = dict(storage_options or {})
@@ -237,6 +259,7 @@ class Checkpointer:
             commit_timeout=self.commit_timeout,
             after_commit=self._after_commit,
             authorize=self._gang.authorize_commit if self._gang is not None else None,
+            direct_io=self.direct_io,
         )
         self._retention_lock = threading.Lock()
         self._local_catalog = Catalog(self._local_storage)

@@ -171,13 +171,15 @@ def write_chunked(
     pool: Executor,
     lookahead: int = 4,
     contiguous: memoryview | None = None,
+    direct: bool = True,
 ) -> dict:
     """Write ``blobs`` back to back into a new file at ``path``, fsync it, return its record.
 
     Encoding (checksum, compression) of up to ``lookahead`` chunks runs on ``pool`` while
     this thread writes, so memory stays bounded by ``lookahead`` encoded chunks.
     ``contiguous``: the blobs are consecutive slices of this one buffer; an uncompressed
-    file is then written from it with direct I/O (see ``_DirectWriter``).
+    file is then written from it with direct I/O (see ``_DirectWriter``) unless ``direct``
+    is False: a buffered write leaves the file in the page cache, for a restart on this node.
     """
     codec_id = CODECS[codec]
     chunks: list[list[int]] = []
@@ -185,10 +187,10 @@ def write_chunked(
     if contiguous is not None and sum(len(b) for b in blobs) != len(contiguous):
         raise ValueError(f"{path}: the blobs hold {sum(len(b) for b in blobs)} bytes, the buffer {len(contiguous)}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    direct = None
+    writer: _DirectWriter | None = None
     try:
-        if codec_id == RAW and contiguous is not None:
-            direct = _DirectWriter(path, contiguous)
+        if direct and codec_id == RAW and contiguous is not None:
+            writer = _DirectWriter(path, contiguous)
 
         def encode(data: memoryview) -> tuple[memoryview | bytes, int, int]:
             payload, used = _encode(data, codec_id)
@@ -210,8 +212,8 @@ def write_chunked(
             refill()
             payload, used, crc = future.result()
             view = memoryview(payload)
-            if direct is not None:
-                direct.advance(stored + len(view), fd, final=not pending)
+            if writer is not None:
+                writer.advance(stored + len(view), fd, final=not pending)
             else:
                 written = 0
                 while written < len(view):
@@ -222,8 +224,8 @@ def write_chunked(
             stored += len(view)
         os.fsync(fd)
     finally:
-        if direct is not None:
-            direct.close()
+        if writer is not None:
+            writer.close()
         os.close(fd)
     return {"bytes": stored, "chunks": chunks}
 

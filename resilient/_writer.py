@@ -156,8 +156,10 @@ class BackgroundWriter:
         commit_timeout: float,
         after_commit: Callable[[int], None],
         authorize: Callable[[int], None] | None = None,
+        direct_io: bool = True,
     ) -> None:
         self.tier = tier
+        self.direct_io = direct_io
         self.authorize = authorize  # raises when this process may no longer commit (fenced)
         self.coord = coord
         self.codec = codec
@@ -223,6 +225,7 @@ class BackgroundWriter:
                 chunk_bytes=self.chunk_bytes,
                 pool=self._pool,
                 contiguous=base[:pos],
+                direct=self.direct_io,
             )
             fsync_dir(pending)
         return {

@@ -1,6 +1,6 @@
 """Data files written with direct I/O from the snapshot buffer: the same bytes and chunk
-table as a buffered write, the page cache bypassed (seen with mincore), and a buffered
-fallback wherever direct I/O is refused."""
+table as a buffered write, the page cache bypassed (seen with mincore), a buffered
+fallback wherever direct I/O is refused, and buffered files on request."""
 
 from __future__ import annotations
 
@@ -128,12 +128,32 @@ def test_blobs_that_are_not_the_buffer_are_refused(tmp_path):
         write(str(tmp_path / "rank.data"), views[:-1], memoryview(buffer.numpy()))
 
 
-def test_checkpoint_written_directly_restores_exactly(tmp_path):
+def data_files(root) -> list[str]:
+    return [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".data")]
+
+
+@pytest.mark.parametrize("env, arg, cached", [(None, None, False), ("0", None, True), ("off", True, False),
+                                              ("1", False, True)])
+def test_checkpoint_direct_or_buffered_restores_exactly(tmp_path, monkeypatch, env, arg, cached):
+    """Direct by default; ``direct_io=False`` or RESILIENT_DIRECT_IO=0 leaves the files in the
+    page cache (for a restart on this node); the argument wins over the variable."""
+    if env is None:
+        monkeypatch.delenv("RESILIENT_DIRECT_IO", raising=False)
+    else:
+        monkeypatch.setenv("RESILIENT_DIRECT_IO", env)
     state = {"w": torch.randn(1000, 333), "b": torch.arange(17, dtype=torch.int16)}
-    with Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt:
+    with Checkpointer(str(tmp_path / "ckpt"), keep=1, direct_io=arg) as ckpt:
         ckpt.save(1, state).result()
-        data = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path / "ckpt") for f in fs if f.endswith(".data")]
-        assert data and not any(resident_pages(data[0])[:-1]), "the checkpointer's files skip the page cache"
+        data = data_files(tmp_path / "ckpt")
+        assert len(data) == 1
+        resident = resident_pages(data[0])[:-1]
+        assert all(resident) if cached else not any(resident), resident.count(True)
         got = {"w": torch.zeros(1000, 333), "b": torch.zeros(17, dtype=torch.int16)}
         assert ckpt.restore(got) == 1
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+
+
+def test_a_bad_direct_io_variable_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESILIENT_DIRECT_IO", "sometimes")
+    with pytest.raises(ValueError, match="RESILIENT_DIRECT_IO='sometimes' is not a flag"):
+        Checkpointer(str(tmp_path / "ckpt"))
