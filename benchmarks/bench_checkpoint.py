@@ -9,8 +9,9 @@ run goes in rounds. In each round the machine's limits are measured (memcpy into
 buffer; fsync'd sequential write, buffered and direct; cold read as one reader, one per rank
 and four per rank), every method saves twice (the second, steady-state save is measured),
 and then every method restores from a cold page cache, the methods' order rotating from
-round to round. Each figure is a ratio against its own round's limits; the table gives the
-medians over rounds. Results go to stdout (markdown) and ``--out`` (JSON).
+round to round (``resilient(buffered)`` is resilient with ``direct_io=False``: its files
+go through the page cache, as the anchors' do). Each figure is a ratio against its own
+round's limits; the table gives the medians over rounds. Results go to stdout (markdown) and ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from benchmarks.common import (GB, PeakRSS, drop_cache, mean_step_seconds, memcp
                                read_range_seconds, write_file)
 
 N_PARAMS = 26
-METHODS = ["resilient", "torch.save", "dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)",
+RESILIENT = {"resilient": True, "resilient(buffered)": False}  # name: direct_io
+METHODS = [*RESILIENT, "torch.save", "dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)",
            "dcp.async_save+DefaultStager"]
 
 
@@ -103,10 +105,10 @@ class Method:
         self.name, self.root, self.state, self.rank, self.world, self.layout = name, root, state, rank, world, layout
         self.stager = None
         self.ckpt = None
-        if name == "resilient":
+        if name in RESILIENT:
             from resilient import Checkpointer
 
-            self.ckpt = Checkpointer(root, keep=1, rng=False)
+            self.ckpt = Checkpointer(root, keep=1, rng=False, direct_io=RESILIENT[name])
         if name == "dcp.async_save+DefaultStager" and not restore_only:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -309,7 +311,7 @@ def worker(args: dict[str, Any]) -> None:
                 stall, durable = method.save(2)
                 last_step[name] = 2
                 slowdown = None
-                if rnd == 0 and args.get("slowdown") and name in ("resilient", "dcp.async_save+DefaultStager"):
+                if rnd == 0 and args.get("slowdown") and name in (*RESILIENT, "dcp.async_save+DefaultStager"):
                     slowdown = step_slowdown(lambda: _start_async(method, 3))
                     last_step[name] = 3
             method.close()
@@ -452,7 +454,7 @@ def _limits_line(row: dict[str, Any]) -> str:
 
 
 # host copies of the rank's local state each method holds at its peak, besides the state itself
-_COPIES = {"resilient": 1.0, "torch.save": 0.2, "dcp.save": 0.2, "dcp.async_save(thread)": 1.0,
+_COPIES = {**dict.fromkeys(RESILIENT, 1.0), "torch.save": 0.2, "dcp.save": 0.2, "dcp.async_save(thread)": 1.0,
            "dcp.async_save(process)": 2.0, "dcp.async_save+DefaultStager": 1.0}
 
 
