@@ -8,10 +8,11 @@ moments), world size and layout (replicated as under DDP, sharded as DTensor Sha
 run goes in rounds. In each round the machine's limits are measured (memcpy into a touched
 buffer; fsync'd sequential write, buffered and direct; cold read as one reader, one per rank
 and four per rank), every method saves twice (the second, steady-state save is measured),
-and then every method restores from a cold page cache, the methods' order rotating from
-round to round (``resilient(buffered)`` is resilient with ``direct_io=False``: its files
-go through the page cache, as the anchors' do). Each figure is a ratio against its own
-round's limits; the table gives the medians over rounds. Results go to stdout (markdown) and ``--out`` (JSON).
+and then every method restores from a cold page cache, one second apart, the methods' order
+rotating from round to round and reversed in odd rounds. ``resilient(buffered)`` is
+resilient with ``direct_io=False`` (its files go through the page cache, as the anchors'
+do). Each figure is a ratio against its own round's limits; the table gives the medians
+over rounds. Results go to stdout (markdown) and ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -217,8 +218,12 @@ def step_slowdown(save: Callable[[], Callable[[], bool]]) -> float:
 
 
 def _rotated(items: list[str], by: int) -> list[str]:
+    """Round ``by``'s order: rotated by ``by``, and reversed in odd rounds, so that a method
+    changes both its place and the method before it (whose I/O may still be settling
+    under the virtual disk): a plain rotation kept every method's predecessor fixed."""
     by %= max(len(items), 1)
-    return items[by:] + items[:by]
+    order = items[by:] + items[:by]
+    return order[::-1] if by % 2 else order
 
 
 def _timed_together(action: Callable[[], None]) -> float:
@@ -325,8 +330,9 @@ def worker(args: dict[str, Any]) -> None:
                 limits.update(_read_probes(probes, total, rank, world))
                 continue
             reader = Method(name, roots[name], state, rank, world, args["layout"], restore_only=True)
-            _barrier()
             zero_state(state)
+            time.sleep(args.get("gap", 1.0))  # the last method's reads settle first
+            _barrier()
             took = reader.restore(last_step[name])
             reader.close()
             next(r for r in records if r.get("round") == rnd and r.get("method") == name)["restore"] = took
