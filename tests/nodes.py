@@ -15,11 +15,32 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import cache
 
 from .launch import REPO
 
 TRAIN = os.path.join(REPO, "tests", "elastic_train.py")
 TRAIN_IN_PROCESS = os.path.join(REPO, "tests", "inprocess_train.py")  # @resilient.elastic
+
+
+@cache
+def worker_startup_s() -> float:
+    """Seconds this machine takes to start a worker (Python with torch and resilient loaded).
+
+    A recovery's time is detection (set by leases and timeouts: the runtime's) plus workers
+    started again (set by the machine: 3.5 s here, twice that on a loaded CI runner). Bounds
+    on recoveries add a few of these to the fixed part, so that a slow machine does not fail
+    a correct recovery while a recovery that waits on a wrong timeout still fails."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch, torch.distributed, resilient"], check=True, cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+    return time.monotonic() - started
+
+
+def recovery_bound(fixed_s: float) -> float:
+    """The longest a recovery may take: ``fixed_s`` of detection and re-forming, plus two
+    worker start-ups of this machine (the restarted worker's, and its imports' cold cache)."""
+    return fixed_s + 2 * worker_startup_s()
 
 
 @dataclass

@@ -4,6 +4,7 @@ see who trained, when, and at which world size."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from .nodes import alive, etcd_v3_flags
+from .nodes import alive, etcd_v3_flags, recovery_bound
 
 pytestmark = pytest.mark.timeout(150)
 # steps of a run that only has to outlast one fault and its restart (the default, 200, leaves
@@ -49,7 +50,7 @@ def test_killed_node_survivor_resumes_from_checkpoint(cluster):
     resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > killed_at, 30, "a resumed start")
     assert resumed["world"] == 1 and resumed["node"] == survivor
     assert resumed["restored"] >= 25, "the survivor must resume from the last consistent step, not from 0"
-    assert resumed["t"] - killed_at < 10
+    assert resumed["t"] - killed_at < recovery_bound(4)
     time.sleep(0.5)
     assert not [p for p in orphans if alive(p)], "the dead agent's workers must not outlive it"
     assert a.wait(90) == 0, a.log()
@@ -67,7 +68,7 @@ def test_repeated_worker_restarts_do_not_hang(cluster):
         os.kill(victim, signal.SIGKILL)
         resumed = cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2 and e["pid"] not in before,
                                    30, "a resumed step")
-        assert resumed["t"] - killed_at < 10
+        assert resumed["t"] - killed_at < recovery_bound(4)
     a.kill()
     b.kill()
 
@@ -82,7 +83,7 @@ def test_hung_rank_is_a_failed_rank(cluster):
     hung = cluster.wait_for(lambda e: e["event"] == "step" and e["step"] == 39, 30, "the last step before the hang")
     resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > hung["t"], 40, "a restart after the hang")
     assert resumed["world"] == 2 and resumed["restored"] >= 30
-    assert resumed["t"] - hung["t"] < 3 + 10
+    assert resumed["t"] - hung["t"] < recovery_bound(3 + 4)  # the hang timeout, then a restart
     assert a.wait(90) == 0 and b.wait(30) == 0
 
 
@@ -94,7 +95,7 @@ def test_frozen_node_is_detected_by_lease_expiry(cluster):
     b.signal_all(signal.SIGSTOP, cluster.workers_of("b"))  # no TCP reset: peers just block
     resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > frozen_at, 30, "a resumed start")
     assert resumed["world"] == 1 and resumed["node"] == "a" and resumed["restored"] >= 25
-    assert resumed["t"] - frozen_at < 10
+    assert resumed["t"] - frozen_at < recovery_bound(4)
     cluster.wait_for(lambda e: e["event"] == "step" and e["t"] > resumed["t"] and e["step"] >= resumed["restored"] + 10,
                      30, "steps after the resume")
     b.kill()
@@ -195,14 +196,20 @@ def test_partitioned_node_is_fenced(cluster):
 
     host, port = cluster.endpoint.rsplit(":", 1)
     link = TcpProxy(host, int(port))  # node b reaches etcd only through this link
-    a = cluster.start("a")
+    agent_log = os.path.join(cluster.tmp, "agent-a.jsonl")
+    a = cluster.start("a", extra=[f"--event-log={agent_log}"])
     b = cluster.start("b", rdzv=etcd_v3_flags(link.endpoint, cluster.run_id, "lease_ttl=3,last_call_timeout=5,join_timeout=8"))
     cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30 and e["world"] == 2, 60, "training at world 2")
     b_workers = cluster.workers_of("b")
     cut_at = time.time()
     link.cut()  # b still reaches its peers, but not etcd
-    resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > cut_at, 30, "a resumed start")
-    assert resumed["node"] == "a" and resumed["world"] == 1 and resumed["t"] - cut_at < 10
+    resumed = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > cut_at, 60, "a resumed start")
+    assert resumed["node"] == "a" and resumed["world"] == 1
+    # how soon a re-formed without b is set by b's lease (3 s), not by this machine's speed
+    # (the restarted workers' start-up, which follows, is): bound that, not the resumed start
+    with open(agent_log) as f:
+        rounds = [e for e in map(json.loads, f) if e["event"] == "round_formed" and e["t"] > cut_at]
+    assert rounds and rounds[0]["nodes"] == 1 and rounds[0]["t"] - cut_at < 10, rounds
     assert b.wait(60) != 0, "a node that cannot reach etcd must give up, not train on alone"
     assert "fenced" in b.log()
     assert not [p for p in b_workers if alive(p)], "the fenced node's workers must be stopped"

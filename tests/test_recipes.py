@@ -137,7 +137,7 @@ def test_lifecycle_policy_is_accepted_by_an_s3_server(s3_server):
 def test_local_recipe_runs_nodes_kills_one_and_prints_the_timeline(tmp_path):
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "launchers", "local", "simulate.py"), "--nodes", "2", "--dir",
-         str(tmp_path / "sim"), "--kill", "b@10", "--rdzv-conf", "lease_ttl=3", "--timeout", "100",
+         str(tmp_path / "sim"), "--kill", "b@step:25", "--rdzv-conf", "lease_ttl=3", "--timeout", "100",
          "--", os.path.join(REPO, "tests", "elastic_train.py"), "--events", str(tmp_path / "train.jsonl"),
          "--remote", f"file://{tmp_path / 'remote'}", "--steps", "160", "--every", "5", "--step-time", "0.05"],
         capture_output=True, text=True, timeout=140, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
@@ -162,7 +162,7 @@ def _netns_usable() -> bool:
 def test_local_recipe_partitions_a_node_for_real_in_its_own_network_namespace(tmp_path):
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "launchers", "local", "simulate.py"), "--nodes", "2", "--netns",
-         "--dir", str(tmp_path / "sim"), "--partition", "b@10", "--rdzv-conf", "lease_ttl=3", "--timeout", "100",
+         "--dir", str(tmp_path / "sim"), "--partition", "b@step:25", "--rdzv-conf", "lease_ttl=3", "--timeout", "100",
          "--", os.path.join(REPO, "tests", "elastic_train.py"), "--events", str(tmp_path / "train.jsonl"),
          "--remote", f"file://{tmp_path / 'remote'}", "--steps", "210", "--every", "5", "--step-time", "0.05"],
         capture_output=True, text=True, timeout=140, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})

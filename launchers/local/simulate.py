@@ -1,10 +1,11 @@
 """Run N simulated nodes on this machine: one etcd, one resilient-run agent per node.
 
 For demos and chaos tests: every node has its own agent (its own lease, its own workers)
-and its own local tier; faults are real signals at given times; at the end the run's
-timeline and goodput are printed from the shared event log.
+and its own local tier; faults are real signals at given times (``b@20``: 20 s in) or
+steps (``b@step:40``: once rank 0 reports step 40, whatever the machine's speed); at the
+end the run's timeline and goodput are printed from the shared event log.
 
-    python launchers/local/simulate.py --nodes 3 --nnodes 1:2 --kill b@20 --freeze a@40 \\
+    python launchers/local/simulate.py --nodes 3 --nnodes 1:2 --kill b@step:40 --freeze a@40 \\
         -- examples/train.py --root runs/sim/{node} --steps 400
 
 ``{node}`` in the script's arguments becomes the node's name (a, b, c, ...); the node's
@@ -16,6 +17,7 @@ namespace of its own, joined by a bridge (root and iproute2 needed), so that
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import string
@@ -34,17 +36,64 @@ BRIDGE, SUBNET = "rsim0", "10.231.0"
 
 @dataclass
 class Fault:
+    """A fault and its trigger: a time (seconds after the last agent started) or a training
+    step. A step trigger is what a test or a demo usually means ("once training has saved a
+    few checkpoints"): a time means that only on a machine of known speed."""
+
     kind: str   # kill, freeze, partition
     node: str
-    at: float
+    at: float | None = None          # NODE@SECONDS
+    after_step: int | None = None    # NODE@step:N, once rank 0 reports step N
 
     @classmethod
     def parse(cls, kind: str, spec: str) -> "Fault":
-        node, sep, at = spec.partition("@")
+        node, _, when = spec.partition("@")
         try:
-            return cls(kind, node, float(at))
+            if when.startswith("step:"):
+                step = int(when[len("step:"):])
+                if step < 0:
+                    raise ValueError(step)
+                return cls(kind, node, after_step=step)
+            return cls(kind, node, at=float(when))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--{kind} {spec!r}: expected NODE@SECONDS, e.g. b@20") from None
+            raise argparse.ArgumentTypeError(
+                f"--{kind} {spec!r}: expected NODE@SECONDS or NODE@step:N, e.g. b@20 or b@step:40") from None
+
+    def due(self, elapsed: float, step: int) -> bool:
+        if self.after_step is not None:
+            return step >= self.after_step
+        return elapsed >= (self.at or 0.0)
+
+
+class StepFollower:
+    """The highest step rank 0 has reported in the run's event log, read incrementally (the
+    log grows by a line a step; reading it whole at every poll would grow quadratically)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.step = -1
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return self.step
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        for line in lines:
+            if b'"step"' not in line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "step" and isinstance(event.get("step"), int):
+                self.step = max(self.step, event["step"])
+        return self.step
 
 
 def run(cmd: list[str]) -> None:
@@ -112,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--dir", default="runs/simulate", help="event log and node directories (default: %(default)s)")
     p.add_argument("--kill", action="append", default=[], type=lambda s: Fault.parse("kill", s),
-                   help="SIGKILL a node's agent and workers at a time: NODE@SECONDS")
+                   help="SIGKILL a node's agent and workers at a time or a step: NODE@SECONDS or NODE@step:N")
     p.add_argument("--freeze", action="append", default=[], type=lambda s: Fault.parse("freeze", s),
-                   help="SIGSTOP a node (agent and workers) at a time: NODE@SECONDS")
+                   help="SIGSTOP a node (agent and workers) at a time or a step: NODE@SECONDS or NODE@step:N")
     p.add_argument("--partition", action="append", default=[], type=lambda s: Fault.parse("partition", s),
-                   help="cut a node's network at a time (needs --netns): NODE@SECONDS")
+                   help="cut a node's network at a time or a step (needs --netns): NODE@SECONDS or NODE@step:N")
     p.add_argument("--netns", action="store_true", help="one network namespace per node (root)")
     p.add_argument("--rdzv-conf", default="lease_ttl=5")
     p.add_argument("--timeout", type=float, default=1800, help="stop everything after this many seconds")
@@ -124,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if not script:
         p.error("give the training script after --")
     names = list(string.ascii_lowercase[:args.nodes])
-    faults = sorted(args.kill + args.freeze + args.partition, key=lambda f: f.at)
+    faults = args.kill + args.freeze + args.partition
     for fault in faults:
         if fault.node not in names:
             p.error(f"--{fault.kind} names node {fault.node!r}; nodes are {', '.join(names)}")
@@ -159,16 +208,21 @@ def main(argv: list[str] | None = None) -> int:
                 # and a demo that kills node b shows in-process recovery, not the fallback
                 time.sleep(1.0)
         started = time.monotonic()
-        log = EventLog(events, -1, node=f"simulate.py ({run_id})")
-        for fault in faults:
-            time.sleep(max(0.0, started + fault.at - time.monotonic()))
-            log.emit("fault", kind=fault.kind, target=f"node {fault.node}")
-            inject(fault, agents[fault.node], netns)
-        log.close()
         deadline = started + args.timeout
+        log = EventLog(events, -1, node=f"simulate.py ({run_id})")
+        progress = StepFollower(events)
+        pending = list(faults)
         while time.monotonic() < deadline and any(a.poll() is None for n, a in agents.items()
                                                   if n not in {f.node for f in faults}):
+            step = progress.poll() if pending else -1
+            for fault in [f for f in pending if f.due(time.monotonic() - started, step)]:
+                pending.remove(fault)
+                log.emit("fault", kind=fault.kind, target=f"node {fault.node}")
+                inject(fault, agents[fault.node], netns)
             time.sleep(0.1)
+        log.close()
+        for fault in pending:
+            print(f"fault never injected (its trigger did not come): {fault.kind} node {fault.node}", flush=True)
         codes = {n: a.poll() for n, a in agents.items()}
         print(f"agents exited: {codes}", flush=True)
     finally:
