@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,16 +23,17 @@ from ._fence import CopyThread, StagingFence, register
 from ._format import dtype_from_name, dtype_name
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
-try:  # DTensor is optional: older or stripped torch builds may lack it.
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-
 __all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    """DTensor's class is looked up among the loaded modules, never imported: importing
+    ``torch.distributed.tensor`` costs ~1 s of every process start here (sympy, through
+    torch.fx), a second added to every worker restart of a recovery, and no tensor can be
+    a DTensor before something imported that module."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
