@@ -260,6 +260,7 @@ class Checkpointer:
             after_commit=self._after_commit,
             authorize=self._gang.authorize_commit if self._gang is not None else None,
             direct_io=self.direct_io,
+            written=self._faults.check_write if self._faults is not None else None,
         )
         self._retention_lock = threading.Lock()
         self._local_catalog = Catalog(self._local_storage)

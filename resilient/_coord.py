@@ -120,7 +120,7 @@ class GroupCoordinator(Coordinator):
         everyone: list[int | None] = [None] * self.world_size
         dist.all_gather_object(everyone, self.leader, group=group)
         self.leaders = sorted({int(x) for x in everyone if x is not None})
-        self._store = dist.PrefixStore(f"resilient/{self.session}/", _default_store())
+        self._store = dist.PrefixStore(f"resilient/{self.session}/", _own_connection(_default_store()))
 
     def _reduce(self, value: int, op: dist.ReduceOp) -> int:
         return self._reduce_many([value], op)[0]
@@ -171,6 +171,22 @@ def _default_store() -> dist.Store:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def _own_connection(store: dist.Store) -> dist.Store:
+    """The same store over a connection of the writer's own.
+
+    Why: a TCPStore client serves one request at a time, and the writer's ``wait`` for the
+    other ranks' reports holds it for as long as a dead rank keeps them away (the commit
+    timeout: 600 s by default). On a shared client, everything else this process asks of
+    the store waits that long too: ``@resilient.elastic``'s re-forming after the peer's
+    death (the regroup store is that client) stalled 20 s with a 20 s timeout, where it
+    takes 0.1 s. One more connection per rank to the store's host is the price. Stores
+    that cannot be cloned (a FileStore; torch < 2.3) are shared as before."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return store
 
 
 def make_coordinator(group: dist.ProcessGroup | None, markers: Markers) -> Coordinator:

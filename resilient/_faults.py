@@ -5,8 +5,14 @@
     RESILIENT_FAULT="raise:rank=1,step=20"            # rank 1 raises RuntimeError
     RESILIENT_FAULT="kill:random=20-80,seed=7"        # a rank and a step in [20, 80], drawn from the seed
     RESILIENT_FAULT="kill:rank=1,step=50;hang:rank=0,step=120"   # several, in order
+    RESILIENT_FAULT="kill:rank=1,step=50,phase=write"  # rank 1 dies while step 50's save is
+                                                       # written: its file is on disk, its
+                                                       # report never reaches the committer
 
-A step is "finished" when ``Checkpointer.save(step)`` is called for it. Each fault fires once
+A step is "finished" when ``Checkpointer.save(step)`` is called for it (``phase=step``, the
+default); ``phase=write`` fires in the background writer instead, once this rank's file of
+that step is written and before the commit hears of it: the moment a peer's death leaves the
+others waiting in a commit (``raise`` there fails the save, ``hang`` stalls its commit). Each fault fires once
 per run: before firing, the process creates a marker file (``RESILIENT_FAULT_DIR``, default
 ``<checkpoint root>/.faults``), so a restarted process that trains through the same step
 again does not fire it again. A random fault draws the same rank and step on every rank
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 KINDS = ("kill", "hang", "raise")
+PHASES = ("step", "write")
 
 
 class InjectedFault(RuntimeError):
@@ -36,6 +43,7 @@ class Fault:
     step: int | None
     window: tuple[int, int] | None = None
     seed: int = 0
+    phase: str = "step"
 
     def resolve(self, world_size: int) -> tuple[int, int]:
         """(rank, step) this fault fires at, the same on every rank."""
@@ -61,19 +69,22 @@ def parse(spec: str) -> list[Fault]:
             if not eq:
                 raise ValueError(f"RESILIENT_FAULT: {item!r} in {part!r} is not KEY=VALUE")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"rank", "step", "random", "seed"}
+        unknown = set(fields) - {"rank", "step", "random", "seed", "phase"}
         if unknown:
             raise ValueError(f"RESILIENT_FAULT: unknown key(s) {', '.join(sorted(unknown))} in {part!r}; "
-                             "use rank=, step=, or random=LO-HI with seed=")
+                             "use rank=, step=, or random=LO-HI with seed=, and phase=")
+        phase = fields.pop("phase", "step")
+        if phase not in PHASES:
+            raise ValueError(f"RESILIENT_FAULT: phase={phase!r} in {part!r} must be one of {', '.join(PHASES)}")
         try:
             if "random" in fields:
                 lo, _, hi = fields["random"].partition("-")
                 window = (int(lo), int(hi))
                 if window[0] > window[1] or window[0] < 0:
                     raise ValueError
-                faults.append(Fault(kind, None, None, window, int(fields.get("seed", "0"))))
+                faults.append(Fault(kind, None, None, window, int(fields.get("seed", "0")), phase))
             else:
-                faults.append(Fault(kind, int(fields["rank"]), int(fields["step"])))
+                faults.append(Fault(kind, int(fields["rank"]), int(fields["step"]), phase=phase))
         except (KeyError, ValueError):
             raise ValueError(f"RESILIENT_FAULT: {part!r} needs rank=R and step=S (non-negative integers), "
                              "or random=LO-HI (LO <= HI) with an optional seed=N") from None
@@ -92,12 +103,17 @@ class FaultInjector:
         for index, fault in enumerate(parse(spec)):
             at_rank, at_step = fault.resolve(world_size)
             if at_rank == rank:
-                self._armed.append((index, fault.kind, at_step))
+                self._armed.append((index, fault.kind, at_step, fault.phase))
 
-    def check(self, step: int) -> None:
-        for index, kind, at_step in self._armed:
-            if step == at_step and self._claim(f"fault-{index}-{kind}-rank{self.rank}-step{step}"):
+    def check(self, step: int, phase: str = "step") -> None:
+        """Fire the faults armed for ``step`` in ``phase`` (``step``: the training thread's
+        ``save``; ``write``: the background writer, this rank's file written)."""
+        for index, kind, at_step, at_phase in self._armed:
+            if (step, phase) == (at_step, at_phase) and self._claim(f"fault-{index}-{kind}-rank{self.rank}-step{step}"):
                 self._fire(kind, step)
+
+    def check_write(self, step: int) -> None:
+        self.check(step, "write")
 
     def _claim(self, name: str) -> bool:
         os.makedirs(self.marker_dir, exist_ok=True)

@@ -157,8 +157,10 @@ class BackgroundWriter:
         after_commit: Callable[[int], None],
         authorize: Callable[[int], None] | None = None,
         direct_io: bool = True,
+        written: Callable[[int], None] | None = None,
     ) -> None:
         self.tier = tier
+        self.written = written  # told the step once this rank's file is written (RESILIENT_FAULT's phase=write)
         self.direct_io = direct_io
         self.authorize = authorize  # raises when this process may no longer commit (fenced)
         self.coord = coord
@@ -245,6 +247,8 @@ class BackgroundWriter:
         pending = self.tier.pending_dir(coord.session, seq)
         try:
             report = self._write_rank_file(job, pending)
+            if self.written is not None:
+                self.written(job.step)
         except Exception as exc:
             report = {"rank": coord.rank, "error": f"{type(exc).__name__}: {exc}"}
         coord.publish(f"{seq}/report/{coord.rank}", json.dumps(report).encode())

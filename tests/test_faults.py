@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from resilient import Checkpointer
+from resilient import Checkpointer, CommitError
 from resilient._faults import FaultInjector, InjectedFault, parse
 
 from .launch import REPO
@@ -33,6 +33,10 @@ TRAIN = textwrap.dedent("""
 """)
 
 
+def committed_steps(root) -> list[int]:
+    return sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("step-"))
+
+
 def run(root, steps, fault, timeout=60):
     env = {**os.environ, "RESILIENT_FAULT": fault, "PYTHONPATH": REPO}
     return subprocess.run([sys.executable, "-c", TRAIN, str(root), str(steps)], env=env, capture_output=True,
@@ -46,6 +50,32 @@ def test_kill_fires_once_then_the_rerun_resumes_and_finishes(tmp_path):
     assert second.returncode == 0, second.stderr
     result = json.loads(second.stdout.strip().splitlines()[-1])
     assert result["start"] in (2, 4) and result["w"] == 10.0  # step 4 may not have been committed yet
+
+
+def test_kill_while_writing_leaves_that_step_uncommitted_and_the_one_before_it_restorable(tmp_path):
+    """``phase=write``: the process dies in the background writer with step 4's file on disk
+    and its commit never made: the rerun resumes from step 2 and finishes."""
+    first = run(tmp_path / "ckpt", 10, "kill:rank=0,step=4,phase=write")
+    assert first.returncode == -signal.SIGKILL and "injected fault: kill on rank 0 at step 4" in first.stdout
+    assert 4 not in committed_steps(tmp_path / "ckpt") and 2 in committed_steps(tmp_path / "ckpt")
+    second = run(tmp_path / "ckpt", 10, "kill:rank=0,step=4,phase=write")
+    assert second.returncode == 0, second.stderr
+    result = json.loads(second.stdout.strip().splitlines()[-1])
+    assert result == {"start": 2, "w": 10.0}
+
+
+def test_raise_while_writing_fails_that_save_and_not_the_training_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESILIENT_FAULT", "raise:rank=0,step=2,phase=write")
+    state = {"w": torch.ones(2)}
+    with Checkpointer(tmp_path / "c", state=state) as ckpt:
+        ckpt.save(1).result()
+        handle = ckpt.save(2)  # the training thread goes on: the fault is the writer's
+        with pytest.raises(CommitError, match="injected fault on rank 0 at step 2"):
+            handle.result()
+        ckpt.save(3).result()
+    assert committed_steps(tmp_path / "c") == [1, 3]
+    with Checkpointer(tmp_path / "c", state=state) as ckpt:
+        assert ckpt.restore() == 3
 
 
 def test_hang_stops_progress(tmp_path):
@@ -85,7 +115,7 @@ def test_random_faults_agree_across_ranks_and_fire_on_one(tmp_path):
     injectors = [FaultInjector("raise:random=10-20,seed=3", r, 4, str(tmp_path / f"r{r}")) for r in range(4)]
     armed = [(r, i._armed) for r, i in enumerate(injectors) if i._armed]
     assert len(armed) == 1
-    rank, [(_, _, step)] = armed[0]
+    rank, [(_, _, step, _)] = armed[0]
     assert 10 <= step <= 20
     again = FaultInjector("raise:random=10-20,seed=3", rank, 4, str(tmp_path / "again"))
     assert again._armed[0][2] == step, "the seed decides"
@@ -99,6 +129,7 @@ def test_random_faults_agree_across_ranks_and_fire_on_one(tmp_path):
     ("kill:rank=0,step=x", "needs rank=R and step=S"),
     ("kill:random=9-3", "random=LO-HI"),
     ("kill:rank=0,step=1,when=now", "unknown key(s) when"),
+    ("kill:rank=0,step=1,phase=later", "phase='later' in 'kill:rank=0,step=1,phase=later' must be one of step, write"),
     ("kill rank=0", "must start with one of"),
 ])
 def test_bad_specs_name_the_part_at_fault(spec, message):

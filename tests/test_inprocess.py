@@ -105,6 +105,27 @@ def test_killed_worker_recovers_in_process_from_peer_memory(cluster, reference):
     assert first["detected_at"] and first["round_formed_at"] and first["nodes_after"] == 1, first
 
 
+def test_peer_killed_while_a_save_commits_costs_the_survivor_no_commit_timeout(cluster, reference):
+    """Rank 1 dies in its background writer at step 30 (its file written, its report never
+    sent), so rank 0's commit of step 30 waits for it, here up to 60 s. That wait must not
+    hold rank 0's re-forming: it did while both shared one store connection (20.1 s with a
+    20 s timeout, where a kill between saves costs 0.1 s)."""
+    in_process_cluster(cluster)
+    nodes = start_nodes(cluster, {"RESILIENT_FAULT": "kill:rank=1,step=30,phase=write",
+                                  "RESILIENT_COMMIT_TIMEOUT": "60"})
+    for node in nodes:
+        assert node.wait(180) == 0, node.log()[-3000:]
+    events = cluster.events()
+    check_against_reference(events, reference)
+    log = resilient_events(os.path.join(cluster.tmp, "resilient-events.jsonl"))
+    fault = next(e for e in log if e["event"] == "fault" and e.get("kind") == "kill")
+    survivor = next(e["pid"] for e in events if e["event"] == "start" and e["rank"] == 0 and e["restored"] == 0)
+    regrouped = [e for e in log if e["event"] == "regrouped" and e["pid"] == survivor and e["t"] > fault["t"]]
+    assert regrouped and regrouped[0]["t"] - fault["t"] < 15, (fault, regrouped)
+    resumed = [e for e in events if e["event"] == "start" and e["pid"] == survivor and e["restored"] > 0]
+    assert resumed and resumed[0]["restored"] == 25, "step 30 was never committed: 25 is the last consistent one"
+
+
 def same_processes(events: list[dict]) -> set[int]:
     return {e["pid"] for e in events if e["event"] in ("start", "step", "done")}
 

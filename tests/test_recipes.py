@@ -148,6 +148,16 @@ def test_local_recipe_runs_nodes_kills_one_and_prints_the_timeline(tmp_path):
     assert starts[-1]["world"] == 1 and starts[-1]["restored"] > 0
 
 
+@pytest.mark.parametrize("spec", ["b@soon", "b@step:", "b@step:-3", "b@step:ten"])
+def test_local_recipe_names_a_bad_fault_trigger(tmp_path, spec):
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "launchers", "local", "simulate.py"), "--dir", str(tmp_path),
+         "--kill", spec, "--", "train.py"], capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 2 and f"--kill {spec!r}: expected NODE@SECONDS or NODE@step:N" in out.stderr, out.stderr
+    assert not os.listdir(tmp_path), "nothing is started for a bad command line"
+
+
 def _netns_usable() -> bool:
     import shutil
 
