@@ -17,6 +17,9 @@ Faults, injected after training settles at world size 2:
 * ``storehost-frozen``: SIGSTOP that node instead (no TCP reset: the survivor's ranks sit in
   a collective and in a wait on the frozen store until told);
 * ``hung``:   rank 1 stops inside step 60 (``RESILIENT_FAULT=hang``): no crash, no lost node.
+* ``midsave``: rank 1 is SIGKILLed in its background writer during step 70's save
+  (``RESILIENT_FAULT=kill:...,phase=write``): its file is written, its report never sent,
+  so rank 0's commit of that step waits for it while rank 0 recovers.
   resilient-run's runs set ``RESILIENT_HANG_TIMEOUT=5``; torchrun's keep its defaults.
 
 Reported per launcher and scenario (median over the runs that resumed):
@@ -31,7 +34,7 @@ Both launchers use their defaults except ``--max-restarts=3`` (torchrun's defaul
 the job at the first failure) and, for the spare scenario, a third agent. A run that does
 not resume within ``--give-up`` seconds is reported as such.
 
-    python benchmarks/bench_recovery.py [--repeats 2] [--scenarios worker,node,frozen,spare,hung,storehost,storehost-frozen]
+    python benchmarks/bench_recovery.py [--repeats 2] [--scenarios worker,node,frozen,spare,hung,midsave,storehost,storehost-frozen]
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from benchmarks.fault_runs import add_output_flags, render_or_run  # noqa: E402
 from resilient.devservices import EtcdServer  # noqa: E402
 
 HUNG_AT, HANG_TIMEOUT, STEP_TIME = 60, 5, 0.05
+MIDSAVE_AT = 70  # a save step (every 5), ~1.5 s after the bench sees step 40 at world 2
 IN_PROCESS = "resilient-run + etcd-v3 + @resilient.elastic"
 LAUNCHERS = {
     IN_PROCESS: [sys.executable, "-m", "resilient.launch.run"],
@@ -80,6 +84,8 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         env["RESILIENT_FAULT"] = f"hang:rank=1,step={HUNG_AT}"
         if launcher.startswith("resilient"):
             env["RESILIENT_HANG_TIMEOUT"] = str(HANG_TIMEOUT)
+    if scenario == "midsave":
+        env["RESILIENT_FAULT"] = f"kill:rank=1,step={MIDSAVE_AT},phase=write"
     try:
         nodes = {"a": cluster.start("a", env=env)}
         time.sleep(1.0)  # "a" first: with c10d it hosts the store, and it is the victim only in storehost
@@ -90,9 +96,9 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= 40, 120,
                          "training at world 2")
         time.sleep(3 if scenario == "spare" else 0.5)  # the spare registers
-        if scenario.startswith("storehost"):
+        if scenario.startswith("storehost") or scenario == "midsave":
             victim = nodes[next(e["node"] for e in reversed(cluster.events()) if e["event"] == "start"
-                                and e["rank"] == 0)]
+                                and e["rank"] == (1 if scenario == "midsave" else 0))]
         survivor = "b" if victim.name == "a" else "a"
         survivor_workers = [psutil.Process(p) for p in cluster.workers_of(survivor) if psutil.pid_exists(p)]
         old_workers = set(cluster.workers_of("a") + cluster.workers_of("b") + cluster.workers_of("c"))
@@ -102,6 +108,9 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
                                       60, "the step before the hang")
             fault = before["t"] + STEP_TIME
             survivor_workers = [psutil.Process(p) for p in old_workers if psutil.pid_exists(p)]
+        elif scenario == "midsave":  # the fault is the kill in rank 1's writer
+            fired = _first_event(log, "fault", fault - 60, fault + give_up)
+            fault = fired if fired is not None else fault
         elif scenario == "worker":
             os.kill(cluster.workers_of("b")[-1], signal.SIGKILL)
         elif scenario in ("node", "spare", "storehost"):
@@ -110,7 +119,7 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
             victim.signal_all(signal.SIGSTOP, cluster.workers_of(victim.name))
         # the gang knows it must re-form: a worker of the survivors is stopped or fails, or
         # (in-process) reports the failure and stays
-        detected = _first_failure_reported(log, fault, give_up) if in_process else \
+        detected = _first_event(log, "failure_detected", fault, fault + give_up) if in_process else \
             _wait_gone(survivor_workers, fault + give_up)
         try:
             restart = cluster.wait_for(lambda e: e["event"] == "start" and e["t"] > fault,
@@ -134,12 +143,12 @@ def run_once(launcher: str, scenario: str, etcd: EtcdServer, give_up: float) -> 
         cluster.close()
 
 
-def _first_failure_reported(log: str, fault: float, give_up: float) -> float | None:
-    deadline = fault + give_up
+def _first_event(log: str, event: str, after: float, deadline: float) -> float | None:
+    """When the resilient event log first shows ``event`` at or after ``after``."""
     while time.time() < deadline:
         if os.path.exists(log):
             with open(log) as f:
-                times = [e["t"] for e in map(json.loads, f) if e["event"] == "failure_detected" and e["t"] >= fault]
+                times = [e["t"] for e in map(json.loads, f) if e["event"] == event and e["t"] >= after]
             if times:
                 return min(times)
         time.sleep(0.05)
