@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=${PYTHON:-python3}
 dir=$(realpath -m "${RESILIENT_DEMO_DIR:-runs/failure-demo-$(date +%Y%m%d-%H%M%S)}")
-"$PY" launchers/local/simulate.py --nodes 2 --nnodes 1:2 --dir "$dir" --kill b@step:100 -- \
+"$PY" launchers/local/simulate.py --nodes 2 --nnodes 1:2 --dir "$dir" --kill b@step:110 -- \
     examples/train.py --elastic --root "$dir/{node}" --remote "file://$dir/remote" \
     --steps 400 --every 20 --step-time 0.05
 echo "timeline plot: $dir/timeline.png"
