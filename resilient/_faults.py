@@ -12,11 +12,12 @@
 A step is "finished" when ``Checkpointer.save(step)`` is called for it (``phase=step``, the
 default); ``phase=write`` fires in the background writer instead, once this rank's file of
 that step is written and before the commit hears of it: the moment a peer's death leaves the
-others waiting in a commit (``raise`` there fails the save, ``hang`` stalls its commit). Each fault fires once
-per run: before firing, the process creates a marker file (``RESILIENT_FAULT_DIR``, default
-``<checkpoint root>/.faults``), so a restarted process that trains through the same step
-again does not fire it again. A random fault draws the same rank and step on every rank
-(same seed), and only that rank fires.
+others waiting in a commit (``raise`` there fails the save, ``hang`` stalls its commit).
+
+Each fault fires once per run: before firing, the process creates a marker file
+(``RESILIENT_FAULT_DIR``, default ``<checkpoint root>/.faults``), so a restarted process
+that trains through the same step again does not fire it again. A random fault draws the
+same rank and step on every rank (same seed), and only that rank fires.
 """
 
 from __future__ import annotations
