@@ -28,7 +28,7 @@ def worker_startup_s() -> float:
     """Seconds this machine takes to start a worker (Python with torch and resilient loaded).
 
     A recovery's time is detection (set by leases and timeouts: the runtime's) plus workers
-    started again (set by the machine: 3.5 s here, twice that on a loaded CI runner). Bounds
+    started again (set by the machine: 2-3.5 s here, about twice that on a slow CI runner). Bounds
     on recoveries add a few of these to the fixed part, so that a slow machine does not fail
     a correct recovery while a recovery that waits on a wrong timeout still fails."""
     started = time.monotonic()
@@ -39,7 +39,8 @@ def worker_startup_s() -> float:
 
 def recovery_bound(fixed_s: float) -> float:
     """The longest a recovery may take: ``fixed_s`` of detection and re-forming, plus two
-    worker start-ups of this machine (the restarted worker's, and its imports' cold cache)."""
+    worker start-ups of this machine (on 2 cores, the restarted workers of both nodes start
+    at once and share them)."""
     return fixed_s + 2 * worker_startup_s()
 
 
