@@ -7,7 +7,8 @@ Two channels, each used from one thread only:
 * the **rendezvous key-value store** (the background writer): per-save reports and
   outcomes. A store, unlike a collective, has no ordering constraint with the training
   loop's own collectives and every wait has a timeout, so a dead rank turns into a
-  ``CommitError`` rather than a hang.
+  ``CommitError`` rather than a hang. The writer reaches it over a connection of its own
+  (``_own_connection``), so that its long waits never hold anyone else's requests.
 
 ``SoloCoordinator`` is the same contract for one process without torch.distributed.
 """
