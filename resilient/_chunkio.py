@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - a platform without isal's wheels
 
 from ._errors import CheckpointCorruptError
 
-__all__ = ["CODECS", "write_chunked", "ChunkedFile", "decode_chunk", "fsync_dir", "crc32"]
+__all__ = ["CODECS", "write_chunked", "ChunkedFile", "ChunkRead", "ChunkRun", "batched", "decode_chunk", "fsync_dir", "crc32"]
 
 RAW, ZSTD = 0, 1
 CODECS = {"none": RAW, "zstd": ZSTD}
@@ -255,10 +255,10 @@ class ChunkedFile:
                 os.close(self._fd)
                 self._fd = None
 
-    def read_tasks(self, offset: int, dest: memoryview) -> list[Callable[[], None]]:
-        """Tasks (one per chunk, to run in any order/thread) filling ``dest`` with the
-        logical bytes ``[offset, offset + len(dest))``."""
-        tasks: list[Callable[[], None]] = []
+    def read_tasks(self, offset: int, dest: memoryview) -> list["ChunkRead"]:
+        """Reads (one per chunk, to run in any order/thread, or to merge with ``batched``)
+        filling ``dest`` with the logical bytes ``[offset, offset + len(dest))``."""
+        tasks: list[ChunkRead] = []
         base, end = offset, offset + len(dest)
         i = bisect.bisect_right(self._starts, offset) - 1
         while offset < end:
@@ -268,11 +268,15 @@ class ChunkedFile:
                 )
             chunk = self.chunks[i]
             hi = min(end, chunk[0] + chunk[1])
-            part = dest[offset - base : hi - base]
-            tasks.append(lambda c=chunk, lo=offset, part=part: self._read_chunk(c, lo, part))
+            tasks.append(ChunkRead(self, chunk, offset, dest[offset - base : hi - base]))
             offset = hi
             i += 1
         return tasks
+
+    def _truncated(self, chunk: list[int], got: int) -> CheckpointCorruptError:
+        stored_off, stored_len = chunk[2], chunk[3]
+        return CheckpointCorruptError(f"{self.path}: truncated at byte {stored_off + got} (chunk at {stored_off} "
+                                      f"needs {stored_len} bytes)")
 
     def _read_chunk(self, chunk: list[int], lo: int, part: memoryview) -> None:
         logical, length, stored_off, stored_len, crc, codec = chunk
@@ -281,13 +285,102 @@ class ChunkedFile:
         buf = part if whole else memoryview(bytearray(stored_len))
         got = os.preadv(fd, [buf], stored_off)
         if got != stored_len:
-            raise CheckpointCorruptError(
-                f"{self.path}: truncated at byte {stored_off + got} (chunk at {stored_off} "
-                f"needs {stored_len} bytes)"
-            )
+            raise self._truncated(chunk, got)
         data = decode_chunk(chunk, buf, self.path)
         if not whole:
             part[:] = data[lo - logical : lo - logical + len(part)]
+
+    def _read_run(self, run: list["ChunkRead"]) -> None:
+        """Whole raw chunks stored back to back, read by one ``preadv`` straight into their
+        destinations, then each verified."""
+        fd = self._open()
+        got = os.preadv(fd, [r.part for r in run], run[0].chunk[2])
+        for r in run:
+            if got < r.chunk[3]:
+                raise self._truncated(r.chunk, max(got, 0))
+            got -= r.chunk[3]
+            decode_chunk(r.chunk, r.part, self.path)
+
+
+class ChunkRead:
+    """One chunk's bytes from ``lo`` into ``part``: a task on its own (it reads and verifies
+    that chunk), or merged by ``batched`` with the chunks stored next to it."""
+
+    __slots__ = ("file", "chunk", "lo", "part")
+
+    def __init__(self, file: ChunkedFile, chunk: list[int], lo: int, part: memoryview) -> None:
+        self.file, self.chunk, self.lo, self.part = file, chunk, lo, part
+
+    def __call__(self) -> None:
+        self.file._read_chunk(self.chunk, self.lo, self.part)
+
+    @property
+    def whole(self) -> bool:
+        """The entire chunk, stored raw, lands in ``part``: the read needs no bounce buffer."""
+        logical, length, _, _, _, codec = self.chunk
+        return self.lo == logical and len(self.part) == length and codec == RAW
+
+
+#: the most bytes one merged read asks for. Why merge: a checkpoint's chunks are as small
+#: as its tensors (often a few MB), and this disk serves fewer, larger requests faster.
+#: Measured here (1 GB of 104 tensors, cold, 8 read threads, rounds interleaved): 0.63 s
+#: merged against 0.88 s read chunk by chunk (medians of 6; three more runs: 0.65/0.86,
+#: 0.75/0.76, 0.69/0.73 s); capped at 64 MB it was no better than unmerged.
+READ_BATCH_BYTES = 128 << 20
+#: a call's reads are merged into at least this many runs where the bytes allow, so that
+#: every read thread still has work (8: the read pool's size on one rank per node)
+READ_BATCH_WAYS = 8
+#: and at most this many chunks go in one run (buffers of one ``preadv``; Linux takes 1024)
+READ_BATCH_CHUNKS = 512
+
+
+def batched(tasks: Iterable[Callable[[], None]], limit: int | None = None) -> list[Callable[[], None]]:
+    """The same reads as fewer tasks: whole raw chunks stored back to back in one file
+    (consecutive tensors, usually) become one read, in file order; every other task is kept
+    as it is. Each chunk is still verified on its own. A run holds at most ``limit`` bytes:
+    by default the bytes split ``READ_BATCH_WAYS`` ways, at most ``READ_BATCH_BYTES``;
+    0 merges nothing."""
+    out: list[Callable[[], None]] = []
+    by_file: dict[int, list[ChunkRead]] = {}
+    for task in tasks:
+        if isinstance(task, ChunkRead) and task.whole and limit != 0:
+            by_file.setdefault(id(task.file), []).append(task)
+        else:
+            out.append(task)
+    if limit is None:
+        total = sum(r.chunk[3] for reads in by_file.values() for r in reads)
+        limit = min(READ_BATCH_BYTES, -(-total // READ_BATCH_WAYS))
+    for reads in by_file.values():
+        reads.sort(key=lambda r: r.chunk[2])
+        run: list[ChunkRead] = []
+        size = 0
+        for r in reads:
+            stored_off, stored_len = r.chunk[2], r.chunk[3]
+            if run and (stored_off != run[-1].chunk[2] + run[-1].chunk[3] or size + stored_len > limit
+                        or len(run) == READ_BATCH_CHUNKS):
+                out.append(_run_task(run))
+                run, size = [], 0
+            run.append(r)
+            size += stored_len
+        if run:
+            out.append(_run_task(run))
+    return out
+
+
+class ChunkRun:
+    """Whole raw chunks stored back to back in one file: one task, one ``preadv``."""
+
+    __slots__ = ("reads",)
+
+    def __init__(self, reads: list[ChunkRead]) -> None:
+        self.reads = reads
+
+    def __call__(self) -> None:
+        self.reads[0].file._read_run(self.reads)
+
+
+def _run_task(run: list[ChunkRead]) -> Callable[[], None]:
+    return run[0] if len(run) == 1 else ChunkRun(run)
 
 
 def decode_chunk(chunk: list[int], stored: memoryview | bytes, where: str, *, decode: bool = True) -> memoryview:

@@ -43,7 +43,7 @@ from typing import Any, Callable, MutableMapping
 
 import torch
 
-from ._chunkio import ChunkedFile
+from ._chunkio import ChunkedFile, batched
 from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
@@ -524,11 +524,13 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
         others: list[Future[None]] = []
         try:
             reader = _Reader(step_dir, manifest)
+            reads: list[Task] = []
             for name, dest in destinations.items():
                 if name not in shared:
                     r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
-                    others += [pool.submit(task) for task in r]
+                    reads += r
                     copies += c
+            others = [pool.submit(task) for task in batched(reads)]
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
             error = exc
         if sharing is not None and sharing.group is not None:
@@ -556,18 +558,14 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
     return record.get("rng")
 
 
-def _runs_read(reader: _Reader | None, runs: list[tuple[str, int, int, int]], mine: Callable[[int], bool],
-               manifest: dict[str, Any], destinations: dict[str, "_Destination"],
-               pool: Executor) -> dict[int, list["Future[None]"]]:
-    """Start reading the runs ``mine(reader index)`` picks, into their destinations' buffers."""
+def _runs_reads(reader: _Reader | None, runs: list[tuple[str, int, int, int]], mine: Callable[[int], bool],
+                manifest: dict[str, Any], destinations: dict[str, "_Destination"]) -> dict[int, list[Task]]:
+    """The reads (not yet started) of the runs ``mine(reader index)`` picks, into their
+    destinations' buffers, by run."""
     assert reader is not None
-    started: dict[int, list[Future[None]]] = {}
-    for i, (name, lo, hi, owner) in enumerate(runs):
-        if mine(owner):
-            tasks = reader.box_bytes(manifest["tensors"][name]["boxes"][0]["pieces"], lo,
-                                     _as_bytes(destinations[name].buffer)[lo:hi])
-            started[i] = [pool.submit(task) for task in tasks]
-    return started
+    return {i: reader.box_bytes(manifest["tensors"][name]["boxes"][0]["pieces"], lo,
+                                _as_bytes(destinations[name].buffer)[lo:hi])
+            for i, (name, lo, hi, owner) in enumerate(runs) if mine(owner)}
 
 
 def _vote(sharing: _Sharing, error: BaseException | None, manifest: dict[str, Any]) -> None:
@@ -593,8 +591,8 @@ def _share_through_page_cache(reader: _Reader | None, manifest: dict[str, Any],
             started = []
             for turn in range(size):
                 part = (me + turn) % size
-                started += [f for fs in _runs_read(reader, runs, lambda owner: owner == part, manifest,
-                                                   destinations, pool).values() for f in fs]
+                turn_reads = _runs_reads(reader, runs, lambda owner: owner == part, manifest, destinations)
+                started += [pool.submit(task) for task in batched(t for ts in turn_reads.values() for t in ts)]
             error = _settle(started, None)
         except BaseException as exc:  # noqa: BLE001 - voted on below
             error = exc
@@ -612,7 +610,9 @@ def _share_by_broadcast(reader: _Reader | None, manifest: dict[str, Any], destin
     own: dict[int, list[Future[None]]] = {}
     if error is None:
         try:
-            own = _runs_read(reader, runs, lambda owner: owner == rank, manifest, destinations, pool)
+            own = {i: [pool.submit(task) for task in batched(reads)]
+                   for i, reads in _runs_reads(reader, runs, lambda owner: owner == rank, manifest,
+                                               destinations).items()}
         except BaseException as exc:  # noqa: BLE001 - voted on below
             error = exc
     works = []

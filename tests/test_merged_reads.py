@@ -1,0 +1,136 @@
+"""Restore merges whole raw chunks stored back to back into one ``preadv``: the same bytes
+land in the same destinations, every chunk is still checked on its own (a bad byte or a
+truncation names the chunk it sits in), and what cannot be merged is read as before."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from resilient import _chunkio
+from resilient._chunkio import ChunkedFile, ChunkRead, ChunkRun, batched, write_chunked
+from resilient._errors import CheckpointCorruptError
+
+pytestmark = pytest.mark.timeout(60)
+
+CHUNK = 64 << 10
+#: blob sizes as a checkpoint's tensors have them: uneven, some spanning several chunks
+SIZES = [3 * CHUNK + 5, 17, CHUNK, 2 * CHUNK - 1, 4096, 5 * CHUNK + 123, 1, 3 * CHUNK]
+
+
+def blobs() -> list[bytes]:
+    return [os.urandom(n) for n in SIZES]
+
+
+def write(path: str, data: list[bytes], codec: str = "none") -> dict:
+    with ThreadPoolExecutor(2) as pool:
+        return write_chunked(path, [memoryview(b) for b in data], codec=codec, chunk_bytes=CHUNK, pool=pool)
+
+
+def reads_into(file: ChunkedFile, dests: list[bytearray]) -> list[ChunkRead]:
+    """One read per chunk, each blob into its own buffer (as restore fills one tensor each)."""
+    tasks, offset = [], 0
+    for dest in dests:
+        tasks += file.read_tasks(offset, memoryview(dest))
+        offset += len(dest)
+    return tasks
+
+
+def run_all(tasks) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        for future in [pool.submit(t) for t in tasks]:
+            future.result()
+
+
+def test_merged_reads_fill_every_destination_with_its_own_bytes(tmp_path):
+    data = blobs()
+    path = str(tmp_path / "f.data")
+    record = write(path, data)
+    dests = [bytearray(len(b)) for b in data]
+    per_chunk = reads_into(ChunkedFile(path, record), dests)
+    merged = batched(per_chunk, limit=1 << 30)
+    assert len(per_chunk) == len(record["chunks"]) > 1
+    assert len(merged) == 1  # the whole file is one run of whole raw chunks
+    run_all(merged)
+    assert [bytes(d) for d in dests] == data
+
+
+def test_runs_respect_the_byte_limit_the_chunk_cap_and_the_default_split(tmp_path, monkeypatch):
+    data = blobs()
+    path = str(tmp_path / "f.data")
+    record = write(path, data)
+    sizes = [c[3] for c in record["chunks"]]
+    dests = [bytearray(len(b)) for b in data]
+    file = ChunkedFile(path, record)
+
+    limit = 2 * CHUNK
+    merged = batched(reads_into(file, dests), limit=limit)
+    assert all(sum(r.chunk[3] for r in _run_of(t)) <= limit for t in merged)
+    assert sum(len(_run_of(t)) for t in merged) == len(sizes)
+
+    monkeypatch.setattr(_chunkio, "READ_BATCH_CHUNKS", 3)
+    capped = batched(reads_into(file, dests), limit=1 << 30)
+    assert max(len(_run_of(t)) for t in capped) == 3
+    run_all(capped)
+    assert [bytes(d) for d in dests] == data
+
+    monkeypatch.setattr(_chunkio, "READ_BATCH_CHUNKS", 512)
+    default = batched(reads_into(file, dests))  # split READ_BATCH_WAYS ways by bytes
+    assert len(default) >= min(_chunkio.READ_BATCH_WAYS, len(sizes)) - 1
+    assert len(batched(reads_into(file, dests), limit=0)) == len(sizes)  # 0: nothing merged
+
+
+def _run_of(task) -> list[ChunkRead]:
+    """The chunks a task from ``batched`` reads."""
+    return task.reads if isinstance(task, ChunkRun) else [task]
+
+
+def test_a_flipped_byte_inside_a_merged_run_names_its_chunk(tmp_path):
+    data = blobs()
+    path = str(tmp_path / "f.data")
+    record = write(path, data)
+    bad = record["chunks"][5]  # a chunk in the middle of the run
+    with open(path, "r+b") as f:
+        f.seek(bad[2] + bad[3] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dests = [bytearray(len(b)) for b in data]
+    merged = batched(reads_into(ChunkedFile(path, record), dests), limit=1 << 30)
+    with pytest.raises(CheckpointCorruptError, match=f"checksum mismatch in bytes {bad[2]}..{bad[2] + bad[3]}"):
+        run_all(merged)
+
+
+def test_a_file_truncated_inside_a_merged_run_names_the_chunk_cut(tmp_path):
+    data = blobs()
+    path = str(tmp_path / "f.data")
+    record = write(path, data)
+    cut = record["chunks"][4]
+    os.truncate(path, cut[2] + 10)
+    dests = [bytearray(len(b)) for b in data]
+    merged = batched(reads_into(ChunkedFile(path, record), dests), limit=1 << 30)
+    with pytest.raises(CheckpointCorruptError, match=f"truncated at byte {cut[2] + 10} \\(chunk at {cut[2]} "):
+        run_all(merged)
+
+
+def test_partial_and_compressed_chunks_are_read_on_their_own(tmp_path):
+    data = [bytes(3 * CHUNK), os.urandom(2 * CHUNK)]  # zeros compress; random bytes are stored raw
+    path = str(tmp_path / "f.data")
+    record = write(path, data, codec="zstd")
+    codecs = [c[5] for c in record["chunks"]]
+    assert _chunkio.ZSTD in codecs and _chunkio.RAW in codecs
+    file = ChunkedFile(path, record)
+    dests = [bytearray(len(b)) for b in data]
+    tasks = reads_into(file, dests)
+    partial = bytearray(CHUNK)  # a range across two raw chunks, not from a chunk's start
+    tasks += file.read_tasks(3 * CHUNK + CHUNK // 2, memoryview(partial))
+    merged = batched(tasks, limit=1 << 30)
+    runs = [t for t in merged if isinstance(t, ChunkRun)]
+    assert len(runs) == 1 and [r.chunk[5] for r in runs[0].reads] == [_chunkio.RAW, _chunkio.RAW]
+    assert all(not t.whole for t in merged if isinstance(t, ChunkRead))  # compressed, or part of a chunk
+    assert len(merged) == len(tasks) - 1  # only the second blob's two whole raw chunks merged
+    run_all(merged)
+    assert [bytes(d) for d in dests] == data
+    assert bytes(partial) == data[1][CHUNK // 2 : CHUNK // 2 + CHUNK]
