@@ -785,6 +785,8 @@ class Checkpointer:
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._staging.close()
             self._read_pool.shutdown()
+            if not self._tier.close(timeout):
+                log.warning("resilient: old checkpoints still being deleted at close; the next start finishes it")
             self._release_root()
 
     def abandon(self) -> None:

@@ -7,7 +7,8 @@ Layout under ``root``::
       rank-00000.data ...
     .pending/<session>-<seq>/ saves being written (deleted at the next start if abandoned)
     .trash/                  checkpoints being deleted (rename first, so a crash mid-delete
-                             never leaves a half-deleted step that still looks committed)
+                             never leaves a half-deleted step that still looks committed;
+                             emptied on a thread of its own, see ``_TrashCollector``)
 
 Commit protocol (leader only, after every rank's files are fsync'd): write the manifest
 into the pending directory, fsync it, rename the directory to ``step-…``, fsync ``root``.
@@ -20,8 +21,11 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+from ._background import yield_to_training
 from ._catalog import Catalog
 from ._chunkio import fsync_dir
 from ._errors import StorageError
@@ -42,6 +46,12 @@ class LocalTier:
         self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
         # bad-step markers are kept the same way on every tier (see Catalog.bad_steps)
         self.markers = Catalog(LocalStorage(self.root))
+        self._trash = _TrashCollector(self.root)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Let the deletions already asked for finish (``timeout``: wait at most that long,
+        0: not at all); whether they have. The tier still works after this."""
+        return self._trash.finish(timeout)
 
     # -- setup ------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -168,9 +178,9 @@ class LocalTier:
         trash = os.path.join(self.root, _TRASH)
         restored = []
         for name in sorted(os.listdir(trash)) if os.path.isdir(trash) else []:
-            step_name, sep, _ = name.partition(_REPLACED)
-            final = os.path.join(self.root, step_name)
-            if sep and parse_step_dir(step_name) is not None and not os.path.exists(final):
+            step_name = _replaced_step(name)
+            final = os.path.join(self.root, step_name) if step_name else None
+            if final is not None and not os.path.exists(final):
                 os.rename(os.path.join(trash, name), final)
                 restored.append(final)
         if restored:
@@ -178,7 +188,62 @@ class LocalTier:
         return restored
 
     def _empty_trash(self) -> None:
-        shutil.rmtree(os.path.join(self.root, _TRASH), ignore_errors=True)
+        self._trash.request()
+
+
+def _replaced_step(trash_name: str) -> str | None:
+    """The step directory a trash entry is the set-aside old copy of (None: a deleted step)."""
+    step_name, sep, _ = trash_name.partition(_REPLACED)
+    return step_name if sep and parse_step_dir(step_name) is not None else None
+
+
+class _TrashCollector:
+    """Deletes what is in ``.trash`` on a thread of its own.
+
+    Why: removing a checkpoint's files takes time that grows with its size, and done in the
+    writer thread right after a commit (retention) it held up the next save's write.
+    Measured here (1 GB on 2 ranks, saves back to back): the leader began writing 0.13-0.30 s
+    after the stall ended, against 0.001 s on the other rank, out of 0.5-0.6 s to durable.
+    Nothing waits for the deletion: the step left the committed set when it was renamed
+    into the trash. A set-aside copy whose step directory is missing (``install`` between
+    its two renames) is left alone: it may still have to be put back.
+    """
+
+    def __init__(self, root: str) -> None:
+        self.trash = os.path.join(root, _TRASH)
+        self.root = root
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._queued: Future[None] | None = None  # a pass not yet started: the next request joins it
+        self._last: Future[None] | None = None
+
+    def request(self) -> None:
+        with self._lock:
+            if self._queued is not None:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-trash")
+            self._queued = self._last = self._pool.submit(self._empty)
+
+    def _empty(self) -> None:
+        yield_to_training()
+        with self._lock:
+            self._queued = None  # entries put in the trash from now on need another pass
+        try:
+            names = os.listdir(self.trash)
+        except FileNotFoundError:
+            return
+        for name in names:
+            step_name = _replaced_step(name)
+            if step_name is not None and not os.path.exists(os.path.join(self.root, step_name)):
+                continue
+            path = os.path.join(self.trash, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+
+    def finish(self, timeout: float | None) -> bool:
+        with self._lock:
+            last = self._last
+        return last is None or not wait([last], timeout).not_done
 
 
 def _unlink(path: str) -> None:

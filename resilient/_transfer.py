@@ -104,6 +104,7 @@ def _replace_local(src: Catalog, dst: LocalStorage, step: int, progress: Callabl
         tier.install(aside.local_path(step_dir_name(step)), step)
     finally:
         shutil.rmtree(aside.root, ignore_errors=True)
+        tier.close()  # the replaced copy is gone before the command returns
     return total
 
 

@@ -2,11 +2,14 @@
 committed and the step restored from are kept, whatever the step numbers say."""
 
 import os
+import shutil
+import threading
 import time
 
 import torch
 
 from resilient import Checkpointer
+from resilient._local import LocalTier
 from resilient.ckpt import main as ckpt_main
 
 from .faults import flip_byte
@@ -112,3 +115,42 @@ def test_forced_copy_from_a_corrupt_source_keeps_the_good_destination(tmp_path, 
     else:
         raise AssertionError("a corrupt source was copied")
     assert Catalog(remote).entry(3, deep=True).state == "committed"
+
+
+def test_old_checkpoints_are_deleted_off_the_writer_thread(root, monkeypatch):
+    """Deleting a step's files takes time that grows with its size: it happens on the trash
+    thread, so the writer goes straight on to the next save."""
+    removed_by: list[str] = []
+    real_rmtree = shutil.rmtree
+
+    def recording_rmtree(path, *args, **kwargs):
+        if f"{os.sep}.trash{os.sep}" in str(path):
+            removed_by.append(threading.current_thread().name)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", recording_rmtree)
+    with Checkpointer(root, keep=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(step)).result()
+            assert ckpt.latest() == step
+    assert _steps(root) == [3]
+    assert removed_by and all(name.startswith("resilient-trash") for name in removed_by), removed_by
+    assert os.listdir(os.path.join(root, ".trash")) == []  # close() let the deletions finish
+
+
+def test_the_trash_thread_leaves_a_set_aside_copy_whose_step_is_missing(root):
+    """``install`` sets the old copy aside, then renames the new one in: between the two,
+    the set-aside copy is the only copy and must survive a pass of the trash thread."""
+    tier = LocalTier(root)
+    tier.prepare()
+    for step in (7, 8):
+        os.makedirs(tier.step_dir(step))
+    tier._to_trash(tier.step_dir(7), ".replaced")  # step 7 has no directory now: keep its copy
+    tier.delete(8)  # a pass starts
+    assert tier.close(timeout=10)
+    left = os.listdir(os.path.join(root, ".trash"))
+    assert len(left) == 1 and left[0].startswith("step-0000000007.replaced-"), left
+    os.makedirs(tier.step_dir(7))  # the new copy arrived: the old one is garbage
+    tier._empty_trash()
+    assert tier.close(timeout=10)
+    assert os.listdir(os.path.join(root, ".trash")) == []
