@@ -328,7 +328,7 @@ class ChunkRead:
 #: 0.75/0.76, 0.69/0.73 s); capped at 64 MB it was no better than unmerged.
 READ_BATCH_BYTES = 128 << 20
 #: a call's reads are merged into at least this many runs where the bytes allow, so that
-#: every read thread still has work (8: the read pool's size on one rank per node)
+#: every read thread still has work (8: the most threads a rank's read pool has)
 READ_BATCH_WAYS = 8
 #: and at most this many chunks go in one run (buffers of one ``preadv``; Linux takes 1024)
 READ_BATCH_CHUNKS = 512
