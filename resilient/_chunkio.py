@@ -323,9 +323,9 @@ class ChunkRead:
 
 #: the most bytes one merged read asks for. Why merge: a checkpoint's chunks are as small
 #: as its tensors (often a few MB), and this disk serves fewer, larger requests faster.
-#: Measured here (1 GB of 104 tensors, cold, 8 read threads, rounds interleaved): 0.63 s
-#: merged against 0.88 s read chunk by chunk (medians of 6; three more runs: 0.65/0.86,
-#: 0.75/0.76, 0.69/0.73 s); capped at 64 MB it was no better than unmerged.
+#: Measured here (1 GB of 104 tensors, cold, rounds interleaved): merged reads were faster
+#: in all seven A/B runs at 1 and 2 ranks, by 1-28% in the medians (0.63 s against 0.88 s
+#: in the widest); capped at 64 MB they were no better than unmerged in two runs.
 READ_BATCH_BYTES = 128 << 20
 #: a call's reads are merged into at least this many runs where the bytes allow, so that
 #: every read thread still has work (8: the most threads a rank's read pool has)
