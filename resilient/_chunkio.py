@@ -125,7 +125,7 @@ class _DirectWriter:
                 self.fd = None
 
     def advance(self, end: int, buffered_fd: int, *, final: bool = False) -> None:
-        """Bytes ``[0, end)`` are checksummed and may be written; ``final``: they are all."""
+        """Write bytes ``[0, end)`` (the page-aligned part direct); ``final``: they are all."""
         if self.fd is not None:
             upto = end - end % DIRECT_ALIGN
             try:
@@ -178,8 +178,9 @@ def write_chunked(
     Encoding (checksum, compression) of up to ``lookahead`` chunks runs on ``pool`` while
     this thread writes, so memory stays bounded by ``lookahead`` encoded chunks.
     ``contiguous``: the blobs are consecutive slices of this one buffer; an uncompressed
-    file is then written from it with direct I/O (see ``_DirectWriter``) unless ``direct``
-    is False: a buffered write leaves the file in the page cache, for a restart on this node.
+    file is then written from it with direct I/O in large writes, checksummed meanwhile
+    (see ``_DirectWriter`` and ``DIRECT_WRITE_BYTES``), unless ``direct`` is False: a
+    buffered write leaves the file in the page cache, for a restart on this node.
     """
     codec_id = CODECS[codec]
     chunks: list[list[int]] = []
@@ -191,6 +192,10 @@ def write_chunked(
     try:
         if direct and codec_id == RAW and contiguous is not None:
             writer = _DirectWriter(path, contiguous)
+        if writer is not None and writer.fd is not None:
+            chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool)
+            os.fsync(fd)
+            return {"bytes": len(writer.source), "chunks": chunks}
 
         def encode(data: memoryview) -> tuple[memoryview | bytes, int, int]:
             payload, used = _encode(data, codec_id)
@@ -228,6 +233,29 @@ def write_chunked(
             writer.close()
         os.close(fd)
     return {"bytes": stored, "chunks": chunks}
+
+
+#: bytes per direct write. Why large: a direct write returns only once the device has the
+#: bytes, so its queue drains between two writes. Measured here (1 GB, fsync'd, medians of
+#: 6 interleaved): 0.42 s in 64 MB writes, checksums computed meanwhile, against 0.86 s
+#: written chunk by chunk as each chunk's checksum came back, and 0.61 s in 16 MB writes.
+DIRECT_WRITE_BYTES = 64 << 20
+
+
+def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview], chunk_bytes: int,
+                      pool: Executor) -> list[list[int]]:
+    """Raw chunks, written from the buffer in large direct writes while ``pool`` checksums
+    them: what is stored is the buffer's own bytes, so the checksum need not come first."""
+    pieces = list(_split(blobs, chunk_bytes))
+    crcs = [pool.submit(crc32, piece) for piece in pieces]
+    total = len(writer.source)
+    for end in range(DIRECT_WRITE_BYTES, total + DIRECT_WRITE_BYTES, DIRECT_WRITE_BYTES):
+        writer.advance(min(end, total), fd, final=end >= total)
+    chunks, offset = [], 0
+    for piece, crc in zip(pieces, crcs):
+        chunks.append([offset, len(piece), offset, len(piece), crc.result(), RAW])
+        offset += len(piece)
+    return chunks
 
 
 class ChunkedFile:

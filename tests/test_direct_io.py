@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from resilient import Checkpointer
+from resilient import _chunkio
 from resilient._chunkio import DIRECT_ALIGN, ChunkedFile, write_chunked
 from resilient._snapshot import page_aligned_empty
 
@@ -98,6 +99,7 @@ def test_a_device_refusing_direct_io_midway_gets_the_rest_buffered(tmp_path, mon
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(_chunkio, "DIRECT_WRITE_BYTES", 1 << 20)  # several direct writes for 4 MB
     record = write(path, views, memoryview(buffer.numpy()))
     monkeypatch.undo()
     assert len(direct_writes) == 2, "one direct write went through, the second was refused"
