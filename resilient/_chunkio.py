@@ -306,10 +306,10 @@ class ChunkedFile:
         return CheckpointCorruptError(f"{self.path}: truncated at byte {stored_off + got} (chunk at {stored_off} "
                                       f"needs {stored_len} bytes)")
 
-    def _read_chunk(self, chunk: list[int], lo: int, part: memoryview) -> None:
-        logical, length, stored_off, stored_len, crc, codec = chunk
+    def _read_chunk(self, read: "ChunkRead") -> None:
+        chunk, lo, part, whole = read.chunk, read.lo, read.part, read.whole
+        logical, stored_off, stored_len = chunk[0], chunk[2], chunk[3]
         fd = self._open()
-        whole = lo == logical and len(part) == length and codec == RAW
         buf = part if whole else memoryview(bytearray(stored_len))
         got = os.preadv(fd, [buf], stored_off)
         if got != stored_len:
@@ -340,7 +340,7 @@ class ChunkRead:
         self.file, self.chunk, self.lo, self.part = file, chunk, lo, part
 
     def __call__(self) -> None:
-        self.file._read_chunk(self.chunk, self.lo, self.part)
+        self.file._read_chunk(self)
 
     @property
     def whole(self) -> bool:

@@ -98,7 +98,7 @@ class LocalTier:
                 if any(name.startswith((f"marker-{session}-", f"{session}-")) for session in keep_sessions if session):
                     continue
                 path = os.path.join(base, name)
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+                _remove(path)
                 removed.append(path)
         return removed
 
@@ -237,13 +237,17 @@ class _TrashCollector:
             step_name = _replaced_step(name)
             if step_name is not None and not os.path.exists(os.path.join(self.root, step_name)):
                 continue
-            path = os.path.join(self.trash, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+            _remove(os.path.join(self.trash, name))
 
     def finish(self, timeout: float | None) -> bool:
         with self._lock:
             last = self._last
         return last is None or not wait([last], timeout).not_done
+
+
+def _remove(path: str) -> None:
+    """A file or a whole directory, gone (already gone is fine)."""
+    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
 
 
 def _unlink(path: str) -> None:
