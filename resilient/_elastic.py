@@ -15,7 +15,8 @@ Three ways to run, chosen from the environment:
   the process exits with the error and the agent's process restart takes over;
 * under another launcher (``WORLD_SIZE`` set): the process group is initialised from the
   environment and a failure ends the process, for the launcher to restart;
-* alone: the function is re-run after a failure, restoring from the checkpoint.
+* alone: the function is re-run after a failure, restoring from the checkpoint (saves in
+  flight are finished first: they need no peer).
 
 A failure is an exception from the function (a collective's "connection closed", an error
 of the user's own), a hang (``RESILIENT_HANG_TIMEOUT``: the step is interrupted) or a peer's
@@ -185,7 +186,12 @@ class ElasticRuntime:
                 with self._interruptible():
                     result = fn(ckpt, *args, **kwargs)
             except BaseException as exc:
-                ckpt.abandon()
+                if _retryable(exc):
+                    # Alone, a save in flight needs no peer: finish it, so that the re-run
+                    # restores the newest step instead of racing its commit.
+                    ckpt.close()
+                else:
+                    ckpt.abandon()
                 self._count_recovery(exc)
                 continue
             ckpt.close()
@@ -248,7 +254,7 @@ class ElasticRuntime:
     # -- pieces --------------------------------------------------------------------------------
     def _count_recovery(self, exc: BaseException, **fields: Any) -> None:
         """Raise ``exc`` when no retry can help; else log and count a recovery."""
-        if isinstance(exc, _FATAL) or not isinstance(exc, Exception):
+        if not _retryable(exc):
             raise exc
         if isinstance(exc, GangChange):  # planned: a process joins; not a failure
             self._events.emit("failure_detected", detail=f"GangChange: {exc}", **fields)
@@ -346,6 +352,12 @@ class _Armed:
             self.runtime._pending = None
         if self.previous is not None:
             signal.signal(_INTERRUPT, self.previous)
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Whether re-running the function can help: not an interrupt, an exit, or a state that
+    will never fit the checkpoint."""
+    return isinstance(exc, Exception) and not isinstance(exc, _FATAL)
 
 
 def _env_seconds(name: str, default: float) -> float:

@@ -24,12 +24,13 @@ pytestmark = pytest.mark.timeout(240)
 STEPS = 100
 
 
-def run_alone(root: str, events: str, env: dict[str, str] | None = None, steps: int = STEPS) -> None:
+def run_alone(root: str, events: str, env: dict[str, str] | None = None, steps: int = STEPS,
+              extra: tuple[str, ...] = ("--step-time", "0.01")) -> None:
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("WORLD_SIZE", "RANK", "RESILIENT_REGROUP_STORE", "RESILIENT_REGROUP_SECRET"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, TRAIN_IN_PROCESS, "--root", root, "--events", events,
-                           "--steps", str(steps), "--step-time", "0.01"],
+                           "--steps", str(steps), *extra],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -195,6 +196,21 @@ def test_single_process_without_a_launcher_reruns_the_function(tmp_path, referen
     check_against_reference(got, reference)
     assert len(same_processes(got)) == 1
     assert [e["restored"] for e in got if e["event"] == "start"] == [0, 10]
+
+
+def test_alone_a_failure_right_after_a_save_reruns_from_that_save(tmp_path):
+    """The fault raises as step 11 ends, when step 10's save (64 MB, no step time) is still
+    being written: alone, that save needs no peer, so it is finished before the re-run,
+    which restores step 10 and not step 5. Retention keeps the three newest and step 10,
+    the one restored from."""
+    events, root = str(tmp_path / "events.jsonl"), tmp_path / "ckpt"
+    run_alone(str(root), events, env={"RESILIENT_FAULT": "raise:rank=0,step=11"}, steps=25,
+              extra=("--step-time", "0", "--width", "4096"))
+    got = read(events)
+    assert [e["restored"] for e in got if e["event"] == "start"] == [0, 10]
+    steps = {e["step"]: e["digest"] for e in got if e["event"] == "step"}
+    assert [e["digest"] for e in got if e["event"] == "start"][1] == steps[10]
+    assert sorted(int(d.name.split("-")[-1]) for d in root.glob("step-*")) == [10, 15, 20, 25]
 
 
 def test_without_an_agent_a_dead_member_is_found_by_its_silent_heartbeat(tmp_path):
