@@ -7,11 +7,13 @@ For each state size (model + Adam moments: 26 fp32 parameter tensors and their t
 moments), world size and layout (replicated as under DDP, sharded as DTensor Shard(0)), the
 run goes in rounds. In each round the machine's limits are measured (memcpy into a touched
 buffer; fsync'd sequential write, buffered and direct; cold read as one reader, one per rank
-and four per rank), every method saves twice (the second, steady-state save is measured),
-and then every method restores from a cold page cache, one second apart, the methods' order
-rotating from round to round and reversed in odd rounds. ``resilient(buffered)`` is
-resilient with ``direct_io=False`` (its files go through the page cache, as the anchors'
-do). Each figure is a ratio against its own round's limits; the table gives the medians
+and four per rank), every method saves after a warm-up save (``--saves`` measured, spaced a
+second apart), and then every method restores from a cold page cache ``--restores`` times,
+one second apart, with the read probes run as often, each pass in another order (rotated
+and reversed in odd passes). ``resilient(buffered)`` is resilient with ``direct_io=False``
+(its files go through the page cache, as the anchors' do). A round's figure is the median
+of its samples (each the slowest rank's), as a ratio against that round's limits (each read
+pattern's median; the fastest pattern); the table gives the medians
 over rounds. Results go to stdout (markdown) and ``--out`` (JSON).
 """
 
@@ -274,7 +276,7 @@ def _write_probes(directory: str, nbytes: int, rank: int, world: int) -> tuple[d
 
 def _read_probes(files: dict[str, str], nbytes: int, rank: int, world: int) -> dict[str, float]:
     """A cold read of each pattern's file (one reader, one per rank, four per rank: which
-    one the disk serves fastest varies); the limit is the fastest."""
+    one the disk serves fastest varies); the limit is the fastest pattern."""
     share = (nbytes * rank // world, nbytes * (rank + 1) // world)
     out = {}
     for key, path in files.items():
@@ -283,7 +285,6 @@ def _read_probes(files: dict[str, str], nbytes: int, rank: int, world: int) -> d
             drop_cache(path)
         out[key] = _timed_together(lambda: (per_rank or rank == 0) and read_range_seconds(
             path, *(share if per_rank else (0, nbytes)), threads=threads))
-    out["read_s"] = min(out.values())
     return out
 
 
@@ -311,31 +312,43 @@ def worker(args: dict[str, Any]) -> None:
             with PeakRSS() as rss:  # from before the method exists: buffers it keeps count too
                 method = Method(name, roots[name], state, rank, world, args["layout"])
                 method.save(1)  # warm-up: buffers, daemons, first touch
-                time.sleep(args.get("gap", 1.0))  # saves are spaced by training steps, not back to back
-                _barrier()
-                stall, durable = method.save(2)
-                last_step[name] = 2
+                stalls, durables = [], []
+                for step in range(2, 2 + args["saves"]):
+                    time.sleep(args.get("gap", 1.0))  # saves are spaced by training steps, not back to back
+                    _barrier()
+                    stall, durable = method.save(step)
+                    stalls.append(stall)
+                    durables.append(durable)
+                last_step[name] = 1 + args["saves"]
                 slowdown = None
                 if rnd == 0 and args.get("slowdown") and name in (*RESILIENT, "dcp.async_save+DefaultStager"):
-                    slowdown = step_slowdown(lambda: _start_async(method, 3))
-                    last_step[name] = 3
+                    last_step[name] += 1
+                    slowdown = step_slowdown(lambda: _start_async(method, last_step[name]))
             method.close()
             method.forget_before(last_step[name])
-            records.append({"round": rnd, "method": name, "stall": stall, "durable": durable,
+            records.append({"round": rnd, "method": name, "stall": stalls, "durable": durables, "restore": [],
                             "rss_extra": rss.extra, "slowdown": slowdown})
             method = None  # drop its buffers before the next method allocates its own
             gc.collect()
-        for name in _rotated([*args["methods"], READ_PROBE], rnd + 1):
-            if name == READ_PROBE:
-                limits.update(_read_probes(probes, total, rank, world))
-                continue
-            reader = Method(name, roots[name], state, rank, world, args["layout"], restore_only=True)
-            zero_state(state)
-            time.sleep(args.get("gap", 1.0))  # the last method's reads settle first
-            _barrier()
-            took = reader.restore(last_step[name])
-            reader.close()
-            next(r for r in records if r.get("round") == rnd and r.get("method") == name)["restore"] = took
+        reads: dict[str, list[float]] = {}
+        for rep in range(args["restores"]):  # each pass in another order
+            for name in _rotated([*args["methods"], READ_PROBE], rnd * args["restores"] + rep + 1):
+                if name == READ_PROBE:
+                    for key, took in _read_probes(probes, total, rank, world).items():
+                        reads.setdefault(key, []).append(took)
+                    continue
+                reader = Method(name, roots[name], state, rank, world, args["layout"], restore_only=True)
+                zero_state(state)
+                time.sleep(args.get("gap", 1.0))  # the last method's reads settle first
+                _barrier()
+                took = reader.restore(last_step[name])
+                reader.close()
+                next(r for r in records if r.get("round") == rnd and r.get("method") == name)["restore"].append(took)
+        # each pattern's median over the passes, then the fastest pattern: the minimum of
+        # single samples would set a limit below what any one read of that pattern gets
+        limits.update({key: statistics.median(samples) for key, samples in reads.items()})
+        limits["read_s"] = min(limits[key] for key in reads)
+        limits["read_samples"] = reads
         _barrier()
         if rank == 0:
             for root in roots.values():
@@ -366,8 +379,13 @@ def main() -> None:
     p.add_argument("--worlds", default="1,2", help="world sizes (default: %(default)s)")
     p.add_argument("--methods", default=",".join(METHODS), help="methods to run (default: all)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds, each one measured save and restore per method and the limits (median; "
-                        "default: %(default)s)")
+                   help="rounds, each with the limits, the measured saves and the restores of every method "
+                        "(median; default: %(default)s)")
+    p.add_argument("--saves", type=int, default=2,
+                   help="measured saves per method and round, after a warm-up (median; default: %(default)s)")
+    p.add_argument("--restores", type=int, default=3,
+                   help="cold restores per method and round, each pass in another order, with the read probes "
+                        "as often (median; default: %(default)s)")
     p.add_argument("--dir", default=None, help="where to write checkpoints (default: a temp dir)")
     p.add_argument("--out", default="bench-out/checkpoint.json", help="JSON results (default: %(default)s)")
     p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
@@ -390,7 +408,8 @@ def main() -> None:
                 for m in sorted(set(methods) - set(runnable), key=methods.index):
                     print(f"# {gb:g} GB, {world} rank(s), {layout}: {m} skipped (its copies would not fit in RAM)")
                 args = {"gb": gb, "layout": layout, "methods": runnable, "root": os.path.join(base, "ck"),
-                        "slowdown": world == 1, "rounds": a.rounds}
+                        "slowdown": world == 1, "rounds": a.rounds,
+                        "saves": a.saves, "restores": a.restores}
                 threads = max(1, (os.cpu_count() or 1) // world)
                 procs = start_ranks("worker", world, args, module="benchmarks.bench_checkpoint",
                                     env={"OMP_NUM_THREADS": str(threads)})
@@ -415,8 +434,8 @@ def main() -> None:
 
 def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layout: str,
               methods: list[str]) -> list[dict[str, Any]]:
-    """One row per method: in each round the slowest rank's times, as ratios against that
-    round's limits; then the median over rounds of both."""
+    """One row per method: in each round the median of the slowest rank's times over the
+    round's samples, as ratios against that round's limits; then the median over rounds."""
     nbytes = gb * GB
     rank0 = per_rank[0]
     limits = {x["limits"]["round"]: x["limits"] for x in rank0 if "limits" in x}
@@ -428,8 +447,10 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
         runs = []
         for rnd, lim in limits.items():
             mine = [x for pr in per_rank for x in pr if x.get("method") == name and x.get("round") == rnd]
-            worst = {k: max(x[k] or 0 for x in mine) for k in ("stall", "durable", "restore", "rss_extra")}
-            runs.append({"round": rnd, **worst, "memcpy_local_s": memcpy[rnd],
+            samples = {k: _slowest(mine, k) for k in ("stall", "durable", "restore")}
+            worst = {k: med(v) for k, v in samples.items()}
+            worst["rss_extra"] = max(x["rss_extra"] for x in mine)
+            runs.append({"round": rnd, **worst, "samples": samples, "memcpy_local_s": memcpy[rnd],
                          "write_s": lim["write_s"], "read_s": lim["read_s"], "stall_x_memcpy": worst["stall"] / memcpy[rnd],
                          "write_frac": lim["write_s"] / worst["durable"],
                          # every rank restores at once from one disk: the checkpoint's bytes are
@@ -448,6 +469,12 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
                "per_round": runs}  # what the medians come from, kept in the JSON
         rows.append(row)
     return rows
+
+
+def _slowest(records: list[dict[str, Any]], key: str) -> list[float]:
+    """Each sample's time as the job sees it: the slowest rank's (all ranks take the same
+    number of samples, in the same order)."""
+    return [max(t) for t in zip(*(x[key] for x in records))]
 
 
 def _limits_line(row: dict[str, Any]) -> str:
