@@ -401,6 +401,8 @@ def main() -> None:
     os.makedirs(base, exist_ok=True)
     methods = a.methods.split(",")
     rows = []
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    started = time.monotonic()
     for gb in [float(s) for s in a.sizes.split(",")]:
         for world in [int(w) for w in a.worlds.split(",")]:
             for layout in ("replicated", "sharded") if world > 1 else ("replicated",):
@@ -420,13 +422,12 @@ def main() -> None:
                         sys.exit(f"worker rank {r.rank} failed ({r.returncode}):\n{r.output[-4000:]}")
                     per_rank.append(json.loads(line[0][7:]))
                 cell = summarize(per_rank, gb, world, layout, runnable)
-                print(_limits_line(cell[0]), flush=True)
+                print(_limits_line(cell[0]) + f" ({(time.monotonic() - started) / 60:.0f} min in)", flush=True)
                 for row in cell:
                     print(_row(row), flush=True)
                 rows += cell
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(rows, f, indent=1)
+                with open(a.out, "w") as f:  # after every cell: an interrupted run keeps what it measured
+                    json.dump(rows, f, indent=1)
     print("\n" + table(rows))
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
