@@ -12,6 +12,7 @@ import pytest
 from resilient import _chunkio
 from resilient._chunkio import ChunkedFile, ChunkRead, ChunkRun, batched, write_chunked
 from resilient._errors import CheckpointCorruptError
+from resilient._restore import lagged
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,3 +135,12 @@ def test_partial_and_compressed_chunks_are_read_on_their_own(tmp_path):
     run_all(merged)
     assert [bytes(d) for d in dests] == data
     assert bytes(partial) == data[1][CHUNK // 2 : CHUNK // 2 + CHUNK]
+
+
+def test_other_ranks_parts_are_queued_a_lag_behind_their_owners():
+    """Through the page cache, a rank reads another rank's k-th read once its own k + lag-th
+    is queued (the owner has read that far by then), each part in its own order."""
+    own, second, third = [f"own{i}" for i in range(5)], [f"b{i}" for i in range(3)], ["c0", "c1"]
+    got = lagged([own, second, third], 2)
+    assert got == ["own0", "own1", "own2", "b0", "own3", "b1", "own4", "b2", "c0", "c1"]
+    assert lagged([own, second], 100) == own + second  # a lag past the own part: all of it first
