@@ -34,8 +34,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import (GB, PeakRSS, drop_cache, mean_step_seconds, memcpy_seconds,
-                               read_range_seconds, write_file)
+from benchmarks.common import (GB, PeakRSS, drop_cache, mean_or_nan, mean_step_seconds, memcpy_seconds,
+                               read_range_seconds, step_samples, write_file)
 
 N_PARAMS = 26
 RESILIENT = {"resilient": True, "resilient(buffered)": False}  # name: direct_io
@@ -120,7 +120,8 @@ class Method:
     def path(self, step: int) -> str:
         return os.path.join(self.root, f"step-{step}")
 
-    def save(self, step: int) -> tuple[float, float]:
+    def save(self, step: int, on_staged: Callable[[], None] = lambda: None) -> tuple[float, float]:
+        """``on_staged``: called when the stall ends (the snapshot is in host memory)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -128,6 +129,7 @@ class Method:
         if self.ckpt is not None:
             handle = self.ckpt.save(step, self.state)
             stall = time.perf_counter() - t0
+            on_staged()
             handle.result()
             return stall, time.perf_counter() - t0
         if self.name == "torch.save":
@@ -151,9 +153,11 @@ class Method:
         if self.stager is not None:
             response.staging_completion.result()  # training may touch the state only after this
             stall = time.perf_counter() - t0
+            on_staged()
             response.upload_completion.result()
         else:
             stall = time.perf_counter() - t0
+            on_staged()
             response.result()
         return stall, time.perf_counter() - t0
 
@@ -212,11 +216,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def step_slowdown(save: Callable[[], Callable[[], bool]]) -> float:
-    """Mean step time while a save is being written / the same without one."""
+def step_slowdown(method: "Method", step: int) -> tuple[float, float]:
+    """(while written, from the call): mean step time while ``method`` saves ``step`` in
+    another thread, against the same step with no save.
+
+    *While written* counts the steps that start once the snapshot is in host memory: in a
+    training loop the stall holds the training thread, so no step runs beside the snapshot
+    copy, and the stall has a column of its own. *From the call* counts those steps too
+    (what this column measured until December 2026): a save that writes fast is then
+    weighed mostly by its snapshot copy competing with the step, which no loop sees."""
+    import threading
+
     idle = mean_step_seconds(lambda: False, 20)
-    done = save()
-    return mean_step_seconds(done, 10_000) / idle
+    staged, done = [], threading.Event()
+    threading.Thread(target=lambda: (method.save(step, on_staged=lambda: staged.append(time.perf_counter())),
+                                     done.set()), daemon=True).start()
+    samples = step_samples(done.is_set, 10_000)
+    written = [s for t, s in samples if staged and t >= staged[0]]
+    return mean_or_nan(written) / idle, mean_or_nan(s for _, s in samples) / idle
 
 
 def _rotated(items: list[str], by: int) -> list[str]:
@@ -320,14 +337,16 @@ def worker(args: dict[str, Any]) -> None:
                     stalls.append(stall)
                     durables.append(durable)
                 last_step[name] = 1 + args["saves"]
-                slowdown = None
-                if rnd == 0 and args.get("slowdown") and name in (*RESILIENT, "dcp.async_save+DefaultStager"):
+                slowdown = slowdown_from_call = None
+                if args.get("slowdown") and name in (*RESILIENT, "dcp.async_save+DefaultStager"):
+                    time.sleep(args.get("gap", 1.0))
                     last_step[name] += 1
-                    slowdown = step_slowdown(lambda: _start_async(method, last_step[name]))
+                    slowdown, slowdown_from_call = step_slowdown(method, last_step[name])
             method.close()
             method.forget_before(last_step[name])
             records.append({"round": rnd, "method": name, "stall": stalls, "durable": durables, "restore": [],
-                            "rss_extra": rss.extra, "slowdown": slowdown})
+                            "rss_extra": rss.extra, "slowdown": slowdown,
+                            "slowdown_from_call": slowdown_from_call})
             method = None  # drop its buffers before the next method allocates its own
             gc.collect()
         reads: dict[str, list[float]] = {}
@@ -358,16 +377,6 @@ def worker(args: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(records), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _start_async(method: Method, step: int) -> Callable[[], bool]:
-    """Start a save in the background; return a 'finished?' probe."""
-    import threading
-
-    done = threading.Event()
-    threading.Thread(target=lambda: (method.save(step), done.set()), daemon=True).start()
-    time.sleep(0.001)
-    return done.is_set
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,7 +466,8 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
                          # every rank restores at once from one disk: the checkpoint's bytes are
                          # read from it once (replicas share the page cache or a broadcast)
                          "restore_frac": lim["read_s"] / worst["restore"]})
-        slowdown = [x["slowdown"] for x in rank0 if x.get("method") == name and x.get("slowdown")]
+        slowdown = {k: [x[k] for x in rank0 if x.get("method") == name and x.get(k)]
+                    for k in ("slowdown", "slowdown_from_call")}
         row = {"gb": gb, "world": world, "layout": layout, "method": name, "rounds": len(runs),
                **{k: med(r[k] for r in runs) for k in ("stall", "durable", "restore", "stall_x_memcpy",
                                                        "write_frac", "restore_frac")},
@@ -466,7 +476,9 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
                           if layout == "sharded" else med(nbytes / memcpy[r] / GB for r in limits),
                           **{k[:-2] + "_gbps": med(nbytes / lim[k] / GB for lim in limits.values())
                              for k in next(iter(limits.values())) if k.endswith("_s") and k != "memcpy_local_s"}},
-               "slowdown": slowdown[0] if slowdown else None,
+               # medians over rounds (world size 1 only); every round's value kept
+               **{k: med(v) if v else None for k, v in slowdown.items()},
+               "slowdown_rounds": slowdown["slowdown"],
                "per_round": runs}  # what the medians come from, kept in the JSON
         rows.append(row)
     return rows

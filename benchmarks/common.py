@@ -10,7 +10,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import psutil
 import torch
@@ -166,13 +166,23 @@ class PeakRSS:
         return self.peak - self.base
 
 
-def mean_step_seconds(until: Callable[[], bool], limit: int, n: int = 1024) -> float:
-    """Mean time of an n×n matmul (a stand-in training step), repeated until ``until()``
-    or ``limit`` steps."""
+def step_samples(until: Callable[[], bool], limit: int, n: int = 1024) -> list[tuple[float, float]]:
+    """(start, seconds) of each n×n matmul (a stand-in training step), repeated until
+    ``until()`` or ``limit`` steps."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    times: list[float] = []
-    while len(times) < limit and not until():
+    samples: list[tuple[float, float]] = []
+    while len(samples) < limit and not until():
         t = time.perf_counter()
         torch.mm(a, b)
-        times.append(time.perf_counter() - t)
-    return sum(times) / len(times) if times else float("nan")  # nan: it ended before one step
+        samples.append((t, time.perf_counter() - t))
+    return samples
+
+
+def mean_step_seconds(until: Callable[[], bool], limit: int, n: int = 1024) -> float:
+    """Mean time of an n×n matmul, repeated until ``until()`` or ``limit`` steps."""
+    return mean_or_nan(seconds for _, seconds in step_samples(until, limit, n))
+
+
+def mean_or_nan(values: Iterable[float]) -> float:
+    got = list(values)
+    return sum(got) / len(got) if got else float("nan")  # nan: it ended before one step
