@@ -510,18 +510,25 @@ def _fits(method: str, gb: float, world: int, layout: str) -> bool:
     return need * GB < 0.8 * psutil.virtual_memory().total
 
 
-def _row(r: dict[str, Any]) -> str:
-    slow = f"{r['slowdown']:.2f}×" if r.get("slowdown") else "–"
-    return (f"| {r['gb']:g} GB | {r['world']} | {r['layout']} | {r['method']} | {r['stall']:.3f} s "
-            f"({r['stall_x_memcpy']:.2f}×) | {r['durable']:.2f} s ({r['write_frac'] * 100:.0f}%) | "
-            f"{r['restore']:.2f} s ({r['restore_frac'] * 100:.0f}%) | {r['rss_extra'] / GB:.2f} GB | {slow} |")
+def _row(r: dict[str, Any], slowdown: bool = True) -> str:
+    cells = (f"| {r['gb']:g} GB | {r['world']} | {r['layout']} | {r['method']} | {r['stall']:.3f} s "
+             f"({r['stall_x_memcpy']:.2f}×) | {r['durable']:.2f} s ({r['write_frac'] * 100:.0f}%) | "
+             f"{r['restore']:.2f} s ({r['restore_frac'] * 100:.0f}%) | {r['rss_extra'] / GB:.2f} GB |")
+    if not slowdown:
+        return cells
+    if not r.get("slowdown"):
+        return cells + " – |"
+    call = f" ({r['slowdown_from_call']:.2f}× from the call)" if r.get("slowdown_from_call") else ""
+    return cells + f" {r['slowdown']:.2f}×{call} |"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown; the slowdown column only when a row has one (world size 1 measures it)."""
+    slowdown = any(r.get("slowdown") for r in rows)
     head = ("| state | ranks | layout | method | stall (× memcpy of rank's state) | committed (% of write bw) "
-            "| restore (% of cold read bw) | peak extra RSS | step slowdown while writing |\n"
-            "|---|---|---|---|---|---|---|---|---|")
-    return "\n".join([head, *(_row(r) for r in rows)])
+            "| restore (% of cold read bw) | peak extra RSS |" + (" step slowdown while writing |" if slowdown else "")
+            + "\n|---|---|---|---|---|---|---|---|" + ("---|" if slowdown else ""))
+    return "\n".join([head, *(_row(r, slowdown) for r in rows)])
 
 
 if __name__ == "__main__":
