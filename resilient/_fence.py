@@ -19,6 +19,7 @@ counters; a loop that does them should use ``staging="sync"``.)
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._per_rank import PerRank
 
-__all__ = ["StagingFence", "StagingTornError", "optimizer_storages", "open_all", "STAGING_MODES"]
+__all__ = ["StagedPrefix", "StagingFence", "StagingTornError", "optimizer_storages", "open_all", "STAGING_MODES"]
 
 STAGING_MODES = ("auto", "sync", "overlap")
 
@@ -131,6 +132,54 @@ class StagingFence:
         if self._error is not None:
             raise self._error
         _forget(self)
+
+
+class StagedPrefix:
+    """How much of one save's staging buffer is final, from its start: the writer writes and
+    checksums only below it, so its first writes overlap the rest of the snapshot copy.
+
+    Why: a save is durable at (stall + write) from the call when the writer starts only after
+    the copy; at 1 GB on two ranks the 0.09 s copy was 16% of the time to durable. The copy
+    advances the prefix piece by piece (CPU state copied in ``save``); a copy that finishes
+    later than ``save`` returns (deferred blobs, device state) completes it in one go with
+    the ``StagingFence`` the writer then waits on. A copy that fails completes it with the
+    error, so a writer waiting here never hangs.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._staged = 0
+        self._complete = False
+        self._fence: StagingFence | None = None
+        self._error: BaseException | None = None
+
+    def advance(self, nbytes: int) -> None:
+        """Bytes ``[0, nbytes)`` of the buffer hold the snapshot."""
+        with self._cond:
+            self._staged = max(self._staged, nbytes)
+            self._cond.notify_all()
+
+    def complete(self, fence: "StagingFence | None" = None, error: BaseException | None = None) -> None:
+        """The copy in ``save`` is over: all bytes are final once ``fence`` (if any) is."""
+        with self._cond:
+            self._complete, self._fence, self._error = True, fence, error
+            self._cond.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        """Return once bytes ``[0, end)`` are final; raise if the snapshot failed or was torn."""
+        with self._cond:
+            while not self._complete and self._staged < end:
+                self._cond.wait()
+            complete, fence, error = self._complete, self._fence, self._error
+        if not complete:
+            return
+        if error is not None:
+            raise StagingTornError(f"the snapshot copy failed: {type(error).__name__}: {error}") from error
+        if fence is not None:
+            fence.wait()
+
+    def wait_all(self) -> None:
+        self.wait_for(sys.maxsize)
 
 
 _pending: list[StagingFence] = []

@@ -19,7 +19,7 @@ import torch
 
 from ._chunkio import DIRECT_ALIGN, crc32
 from ._errors import UnsupportedStateError
-from ._fence import CopyThread, StagingFence, register
+from ._fence import CopyThread, StagedPrefix, StagingFence, register
 from ._format import dtype_from_name, dtype_name
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
@@ -262,6 +262,11 @@ def plan_rank(
     return RankPlan(blobs, meta, signature, replicated, shards)
 
 
+#: bytes copied between two advances of the staged prefix: the writer's first direct write
+#: (``_chunkio.DIRECT_WRITE_BYTES``) can start once this many are staged
+STAGE_PIECE_BYTES = 64 << 20
+
+
 def page_aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """A uint8 buffer starting on a page boundary, so the writer can hand it to the device
     with direct I/O (``_chunkio.DIRECT_ALIGN``); torch's host allocator aligns to 64 bytes."""
@@ -298,10 +303,18 @@ class Staging:
             (t.to_local() if is_dtensor(t) else t).is_cuda for t in tensors.values()
         )
 
+    def buffer_for(self, plan: RankPlan, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The part of the buffer that ``stage`` fills for ``plan`` (allocated, pinned for
+        device state, before the copy, so the writer can be handed it first)."""
+        return self._ensure(plan.nbytes, self.on_device(tensors))[: plan.nbytes]
+
     def stage(self, plan: RankPlan, tensors: dict[str, torch.Tensor], deferred: set[str] | frozenset[str] = frozenset(),
-              on_wait: Callable[[float], None] = lambda seconds: None) -> tuple[torch.Tensor, StagingFence | None]:
-        """Copy the plan's blobs into the buffer: (the filled prefix, the fence that tells
-        when it is complete, or None when it already is)."""
+              on_wait: Callable[[float], None] = lambda seconds: None,
+              staged: StagedPrefix | None = None) -> StagingFence | None:
+        """Copy the plan's blobs into ``buffer_for(plan, tensors)``; return the fence that
+        tells when it is complete, or None when it already is. ``staged``: advanced as the
+        bytes land, when they are copied here in file order (CPU state, nothing deferred);
+        the caller completes it."""
         pin = self.on_device(tensors)
         buffer = self._ensure(plan.nbytes, pin)
         now: list[tuple[Blob, int]] = []
@@ -318,7 +331,8 @@ class Staging:
             if pin:
                 self._stage_on_device(buffer, tensors, now, later, fence)
             else:
-                self._copy(buffer, tensors, now, non_blocking=False)
+                self._copy(buffer, tensors, now, non_blocking=False,
+                           progress=staged.advance if staged is not None and not later else None)
                 if later:
                     def copy_later(fence: StagingFence = fence) -> None:  # type: ignore[assignment]
                         error = None
@@ -329,14 +343,21 @@ class Staging:
                             error = exc
                         fence.cpu_copied(error)
                     self._copier.run(copy_later)
-        return buffer[:pos], fence
+        return fence
 
     @staticmethod
     def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[tuple[Blob, int]],
-              non_blocking: bool) -> None:
+              non_blocking: bool, progress: Callable[[int], None] | None = None) -> None:
+        """``progress(end)``: bytes up to ``end`` are copied, told every ``STAGE_PIECE_BYTES``
+        (a blob can be a whole embedding of gigabytes; the writer should not wait for it all)."""
         for blob, pos in blobs:
             src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
-            buffer[pos : pos + blob.length].copy_(src, non_blocking=non_blocking)
+            piece = STAGE_PIECE_BYTES if progress is not None else max(blob.length, 1)
+            for lo in range(0, blob.length, piece):
+                hi = min(blob.length, lo + piece)
+                buffer[pos + lo : pos + hi].copy_(src[lo:hi], non_blocking=non_blocking)
+                if progress is not None:
+                    progress(pos + hi)
 
     def _stage_on_device(self, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], now: list[tuple[Blob, int]],
                          later: list[tuple[Blob, int]], fence: StagingFence | None) -> None:

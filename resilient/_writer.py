@@ -32,7 +32,7 @@ from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import FORMAT, VERSION, data_file_name, encode_manifest
 from ._local import LocalTier
-from ._fence import StagingFence
+from ._fence import StagedPrefix
 from ._snapshot import RankPlan
 
 __all__ = ["SaveHandle", "SaveJob", "BackgroundWriter", "assemble_manifest"]
@@ -85,7 +85,7 @@ class SaveJob:
     tree: dict[str, Any]
     rng: dict[str, Any] | None
     handle: SaveHandle
-    fence: StagingFence | None = None  # overlapped staging: the buffer is complete once its wait() returns
+    staged: StagedPrefix  # how much of ``buffer`` is final: the copy may still be running
 
 
 def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> dict[str, Any]:
@@ -210,8 +210,6 @@ class BackgroundWriter:
 
     def _write_rank_file(self, job: SaveJob, pending: str) -> dict[str, Any]:
         rank = self.coord.rank
-        if job.fence is not None:
-            job.fence.wait()  # raises if the snapshot was torn: this rank's report is then an error
         name = data_file_name(rank) if job.buffer.numel() else None
         record = None
         if name is not None:
@@ -228,8 +226,10 @@ class BackgroundWriter:
                 pool=self._pool,
                 contiguous=base[:pos],
                 direct=self.direct_io,
+                ready=job.staged.wait_for,
             )
             fsync_dir(pending)
+        job.staged.wait_all()  # raises if the snapshot failed or was torn: this rank's report is then an error
         return {
             "rank": rank,
             "file": name,
