@@ -263,10 +263,14 @@ def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview
                       pool: Executor, ready: Callable[[int], None]) -> list[list[int]]:
     """Raw chunks, written from the buffer in large direct writes while ``pool`` checksums
     them: what is stored is the buffer's own bytes, so the checksum need not come first.
-    Each write and checksum starts once ``ready`` says its bytes are staged."""
+    Each write starts once ``ready`` says its bytes are staged; the checksums wait for the
+    whole snapshot. Why: a write mostly waits on the device, but checksumming reads memory
+    at 16-21 GB/s, and beside the copy it took the copy's cores and bandwidth (1 GB on one
+    rank, medians of 5 saves in 3 interleaved runs: stalls of 0.27-0.60 s checksummed
+    piece by piece, 0.21-0.27 s after the copy, which also committed sooner)."""
     pieces = list(_split(blobs, chunk_bytes))
-    crcs = [pool.submit(_crc_when_ready, ready, piece, end) for piece, end in pieces]
     total = len(writer.source)
+    crcs = [pool.submit(_crc_when_ready, ready, piece, total) for piece, _ in pieces]
     for end in range(DIRECT_WRITE_BYTES, total + DIRECT_WRITE_BYTES, DIRECT_WRITE_BYTES):
         ready(min(end, total))
         writer.advance(min(end, total), fd, final=end >= total)
