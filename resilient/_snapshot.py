@@ -2,8 +2,9 @@
 
 The plan decides, from the flattened state, which byte ranges of which tensors this rank
 owns (see ``_layout``). The snapshot copies exactly those ranges into one reusable host
-buffer, back to back, which is also the order they take in the rank's data file; the
-background writer then works from the buffer while training mutates the tensors.
+buffer, in file order, each starting on a ``BLOB_ALIGN`` boundary (the buffer is the
+rank's data file); the background writer then works from the buffer while training
+mutates the tensors.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -81,13 +82,27 @@ def dtensor_box(t: torch.Tensor, name: str) -> Box:
     return box
 
 
+#: every blob starts at a multiple of this in the rank's file and staging buffer (a cache
+#: line). Why: packed back to back, one tensor of an odd size (an optimizer's 4-byte
+#: ``step``) shifts every later copy off the cache lines, and a copy whose destination is
+#: not on one ran 20-25% slower here (4 GB in 24 tensors: 0.41-0.43 s against 0.33-0.34 s).
+#: The gaps are zeros; the manifest records each blob's offset, so readers need no change.
+BLOB_ALIGN = 64
+
+
+def align_up(offset: int, to: int = BLOB_ALIGN) -> int:
+    return -(-offset // to) * to
+
+
 @dataclass(frozen=True)
 class Blob:
-    """``length`` bytes of tensor ``name``'s byte view from ``start``: one run in the file."""
+    """``length`` bytes of tensor ``name``'s byte view from ``start``: one run in the file,
+    at ``offset``."""
 
     name: str
     start: int
     length: int
+    offset: int
 
 
 @dataclass
@@ -102,7 +117,17 @@ class RankPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.length for b in self.blobs)
+        """The file's size: up to the end of its last blob."""
+        return self.blobs[-1].offset + self.blobs[-1].length if self.blobs else 0
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The (start, end) byte ranges between blobs: alignment padding, stored as zeros."""
+        out, pos = [], 0
+        for blob in self.blobs:
+            if blob.offset > pos:
+                out.append((pos, blob.offset))
+            pos = blob.offset + blob.length
+        return out
 
 
 def layout_key(tensors: dict[str, torch.Tensor]) -> tuple:
@@ -250,12 +275,14 @@ def plan_rank(
         box = Box(tuple(offsets), tuple(sizes))
         if writers[(name, box.offsets, box.sizes)] == rank and box.numel:
             nbytes = box.numel * tensors[name].element_size()
-            blobs.append(Blob(name, 0, nbytes))
+            offset = align_up(offset)
+            blobs.append(Blob(name, 0, nbytes, offset))
             shards.append([name, offsets, sizes, offset, nbytes])
             offset += nbytes
     replicated: list[list[Any]] = []
     for piece in replicated_slices(replicated_sizes, rank, world_size):
-        blobs.append(Blob(piece.name, piece.start, piece.length))
+        offset = align_up(offset)
+        blobs.append(Blob(piece.name, piece.start, piece.length, offset))
         replicated.append([piece.name, piece.start, piece.length, offset])
         offset += piece.length
     signature = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
@@ -265,6 +292,21 @@ def plan_rank(
 #: bytes copied between two advances of the staged prefix: the writer's first direct write
 #: (``_chunkio.DIRECT_WRITE_BYTES``) can start once this many are staged
 STAGE_PIECE_BYTES = 64 << 20
+
+
+def copy_ranges(length: int, piece: int) -> Iterator[tuple[int, int]]:
+    """(lo, hi) ranges of at most about ``piece`` bytes that copy ``[0, length)``: all but a
+    short tail are multiples of ``BLOB_ALIGN`` times torch's thread count. Why: torch splits
+    one copy evenly among its threads, and a thread whose range starts off a cache line
+    slowed the whole copy as much as a misaligned destination does (4 GB in 24 tensors of
+    odd sizes, 64-byte-aligned destinations: 0.39-0.42 s copied whole, 0.34 s so)."""
+    grain = BLOB_ALIGN * max(1, torch.get_num_threads())
+    step = max(grain, piece // grain * grain)
+    bulk = length - length % grain
+    for lo in range(0, bulk, step):
+        yield lo, min(bulk, lo + step)
+    if bulk < length:
+        yield bulk, length
 
 
 def page_aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
@@ -289,6 +331,7 @@ class Staging:
         self.buffer: torch.Tensor | None = None
         self._stream: Any = None
         self._copier = CopyThread()
+        self._gaps_zeroed: tuple[RankPlan, int] | None = None  # (plan, buffer address)
 
     def _ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.is_pinned() != pin:
@@ -296,6 +339,14 @@ class Staging:
             self.buffer = page_aligned_empty(max(nbytes, 1), pin)
             self.buffer.zero_()  # touch every page now, not during the copy
         return self.buffer
+
+    def _zero_gaps(self, buffer: torch.Tensor, plan: RankPlan) -> None:
+        """Zeros between the blobs, once per plan and buffer: the reused buffer may hold an
+        earlier layout's bytes there, and the file should hold nothing but the state."""
+        if self._gaps_zeroed is None or self._gaps_zeroed[0] is not plan or self._gaps_zeroed[1] != buffer.data_ptr():
+            for lo, hi in plan.gaps():
+                buffer[lo:hi].zero_()
+            self._gaps_zeroed = (plan, buffer.data_ptr())
 
     @staticmethod
     def on_device(tensors: dict[str, torch.Tensor]) -> bool:
@@ -317,13 +368,10 @@ class Staging:
         the caller completes it."""
         pin = self.on_device(tensors)
         buffer = self._ensure(plan.nbytes, pin)
-        now: list[tuple[Blob, int]] = []
-        later: list[tuple[Blob, int]] = []
-        pos = 0
-        for blob in plan.blobs:
-            (later if blob.name in deferred else now).append((blob, pos))
-            pos += blob.length
-        fence = StagingFence([(name, tensors[name]) for name in sorted({b.name for b, _ in later})], on_wait) \
+        self._zero_gaps(buffer, plan)
+        now = [blob for blob in plan.blobs if blob.name not in deferred]
+        later = [blob for blob in plan.blobs if blob.name in deferred]
+        fence = StagingFence([(name, tensors[name]) for name in sorted({b.name for b in later})], on_wait) \
             if later or pin else None
         if fence is not None and later:
             register(fence)  # before the copy starts: the writer forgets it once complete
@@ -346,21 +394,20 @@ class Staging:
         return fence
 
     @staticmethod
-    def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[tuple[Blob, int]],
+    def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[Blob],
               non_blocking: bool, progress: Callable[[int], None] | None = None) -> None:
         """``progress(end)``: bytes up to ``end`` are copied, told every ``STAGE_PIECE_BYTES``
-        (a blob can be a whole embedding of gigabytes; the writer should not wait for it all)."""
-        for blob, pos in blobs:
+        or so (a blob can be a whole embedding of gigabytes; the writer should not wait for it all)."""
+        for blob in blobs:
             src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
-            piece = STAGE_PIECE_BYTES if progress is not None else max(blob.length, 1)
-            for lo in range(0, blob.length, piece):
-                hi = min(blob.length, lo + piece)
-                buffer[pos + lo : pos + hi].copy_(src[lo:hi], non_blocking=non_blocking)
+            piece = STAGE_PIECE_BYTES if progress is not None else blob.length
+            for lo, hi in copy_ranges(blob.length, piece):
+                buffer[blob.offset + lo : blob.offset + hi].copy_(src[lo:hi], non_blocking=non_blocking)
                 if progress is not None:
-                    progress(pos + hi)
+                    progress(blob.offset + hi)
 
-    def _stage_on_device(self, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], now: list[tuple[Blob, int]],
-                         later: list[tuple[Blob, int]], fence: StagingFence | None) -> None:
+    def _stage_on_device(self, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], now: list[Blob],
+                         later: list[Blob], fence: StagingFence | None) -> None:
         """Both parts on a side stream that first waits for the work that made the values;
         the training stream then waits for the first part (state that forward may write,
         such as batch-norm statistics), the optimizer step for the second."""
@@ -369,7 +416,7 @@ class Staging:
         training = torch.cuda.current_stream()
         self._stream.wait_stream(training)
         with torch.cuda.stream(self._stream):
-            for name in {blob.name for blob, _ in now + later}:
+            for name in {blob.name for blob in now + later}:
                 local = tensors[name].to_local() if is_dtensor(tensors[name]) else tensors[name]
                 if local.is_cuda:
                     local.record_stream(self._stream)  # its memory is not reused before the copy ran

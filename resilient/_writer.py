@@ -214,10 +214,10 @@ class BackgroundWriter:
         record = None
         if name is not None:
             base = memoryview(job.buffer.numpy())
-            views, pos = [], 0
-            for blob in job.plan.blobs:
-                views.append(base[pos : pos + blob.length])
-                pos += blob.length
+            # each blob with the padding after it: the file is the buffer, gaps included
+            ends = [blob.offset for blob in job.plan.blobs[1:]] + [job.plan.nbytes]
+            views = [base[blob.offset : end] for blob, end in zip(job.plan.blobs, ends)]
+            pos = job.plan.nbytes
             record = write_chunked(
                 os.path.join(pending, name),
                 views,
