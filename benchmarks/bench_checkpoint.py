@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (GB, PeakRSS, drop_cache, mean_or_nan, mean_step_seconds, memcpy_seconds,
-                               read_range_seconds, step_samples, write_file)
+                               read_range_seconds, settle_memory, step_samples, write_file)
 
 N_PARAMS = 26
 RESILIENT = {"resilient": True, "resilient(buffered)": False}  # name: direct_io
@@ -325,6 +325,7 @@ def worker(args: dict[str, Any]) -> None:
         records.append({"limits": limits})
         last_step = {}
         for name in _rotated(args["methods"], rnd):
+            settled = settle_memory()  # the probe's or the last method's freed buffers first
             _barrier()
             with PeakRSS() as rss:  # from before the method exists: buffers it keeps count too
                 method = Method(name, roots[name], state, rank, world, args["layout"])
@@ -345,7 +346,7 @@ def worker(args: dict[str, Any]) -> None:
             method.close()
             method.forget_before(last_step[name])
             records.append({"round": rnd, "method": name, "stall": stalls, "durable": durables, "restore": [],
-                            "rss_extra": rss.extra, "slowdown": slowdown,
+                            "rss_extra": rss.extra, "slowdown": slowdown, "settled_s": settled,
                             "slowdown_from_call": slowdown_from_call})
             method = None  # drop its buffers before the next method allocates its own
             gc.collect()

@@ -41,6 +41,42 @@ def memcpy_seconds(nbytes: int, repeats: int = 3, sync: Callable[[], None] = lam
     return statistics.median(times)
 
 
+#: the guest's free page reporting counter (Firecracker's balloon; absent on bare metal)
+PAGE_REPORTING_KIB = "/sys/module/page_reporting/parameters/reported_kib"
+
+
+def _reported_kib() -> int | None:
+    try:
+        with open(PAGE_REPORTING_KIB) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def settle_memory(quiet_s: float = 2.5, limit_s: float = 30.0) -> float:
+    """Wait until the VM has stopped handing freed memory back to its host; return the
+    seconds waited (0 where the machine reports no such thing).
+
+    Why: on this VM, a copy that follows the freeing of gigabytes runs slower for seconds
+    while the guest reports the free pages in passes about 2 s apart (4 GB in 24 tensors,
+    3 copies each: 0.32-0.36 s undisturbed, 0.47-0.75 s within 4 s of freeing 4 GB; 1.1
+    of the 4 GB reported after 10 s). Every method frees its buffers when its turn ends,
+    so without this wait each one's saves ran in the wake of the one before.
+    """
+    last = _reported_kib()
+    if last is None:
+        return 0.0
+    start = quiet_since = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        time.sleep(0.25)
+        now = _reported_kib()
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+    return time.monotonic() - start
+
+
 def drop_cache(path: str) -> None:
     """Evict a file (or every file under a directory) from the page cache: the next read is cold."""
     paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
