@@ -461,6 +461,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
             samples = {k: _slowest(mine, k) for k in ("stall", "durable", "restore")}
             worst = {k: med(v) for k, v in samples.items()}
             worst["rss_extra"] = max(x["rss_extra"] for x in mine)
+            worst["settled_s"] = max(x.get("settled_s", 0.0) for x in mine)  # waited before the turn
             runs.append({"round": rnd, **worst, "samples": samples, "memcpy_local_s": memcpy[rnd],
                          "write_s": lim["write_s"], "read_s": lim["read_s"], "stall_x_memcpy": worst["stall"] / memcpy[rnd],
                          "write_frac": lim["write_s"] / worst["durable"],
