@@ -405,16 +405,38 @@ def main() -> None:
             rows = json.load(f)
         print(table(rows))
         return
-    from tests.launch import finish, start_ranks
-
     base = a.dir or tempfile.mkdtemp(prefix="resilient-bench-")
     os.makedirs(base, exist_ok=True)
     methods = a.methods.split(",")
-    rows = []
+    sizes = [float(x) for x in a.sizes.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    try:
+        _check_free_space(base, max(sizes), len(methods))
+        rows = _run_cells(base, sizes, [int(w) for w in a.worlds.split(",")], methods, a)
+    finally:  # a failed or interrupted run must not leave its gigabytes behind
+        shutil.rmtree(base if not a.dir else os.path.join(base, "ck"), ignore_errors=True)
+    print("\n" + table(rows))
+
+
+def _check_free_space(base: str, gb: float, methods: int) -> None:
+    """Refuse to start a run the disk cannot hold, instead of failing in its last cells.
+    At the peak every method's last checkpoint, the read probes' files (3) and a DCP method's
+    earlier steps (3, deleted after its turn) are on disk at once."""
+    need = gb * GB * (methods + 6)
+    free = shutil.disk_usage(base).free
+    if free < need:
+        sys.exit(f"{base}: {free / GB:.1f} GB free, but {methods} method(s) at {gb:g} GB need about "
+                 f"{need / GB:.0f} GB; pass --dir on a larger disk or fewer --methods/--sizes")
+
+
+def _run_cells(base: str, sizes: list[float], worlds: list[int], methods: list[str],
+               a: argparse.Namespace) -> list[dict[str, Any]]:
+    from tests.launch import finish, start_ranks
+
+    rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    for gb in [float(s) for s in a.sizes.split(",")]:
-        for world in [int(w) for w in a.worlds.split(",")]:
+    for gb in sizes:
+        for world in worlds:
             for layout in ("replicated", "sharded") if world > 1 else ("replicated",):
                 runnable = [m for m in methods if _fits(m, gb, world, layout)]
                 for m in sorted(set(methods) - set(runnable), key=methods.index):
@@ -438,9 +460,7 @@ def main() -> None:
                 rows += cell
                 with open(a.out, "w") as f:  # after every cell: an interrupted run keeps what it measured
                     json.dump(rows, f, indent=1)
-    print("\n" + table(rows))
-    if not a.dir:
-        shutil.rmtree(base, ignore_errors=True)
+    return rows
 
 
 def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layout: str,
