@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -410,6 +411,7 @@ def main() -> None:
     methods = a.methods.split(",")
     sizes = [float(x) for x in a.sizes.split(",")]
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # run the clean-up below
     try:
         _check_free_space(base, max(sizes), len(methods))
         rows = _run_cells(base, sizes, [int(w) for w in a.worlds.split(",")], methods, a)
