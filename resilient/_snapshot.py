@@ -90,8 +90,8 @@ def dtensor_box(t: torch.Tensor, name: str) -> Box:
 BLOB_ALIGN = 64
 
 
-def align_up(offset: int, to: int = BLOB_ALIGN) -> int:
-    return -(-offset // to) * to
+def align_up(offset: int) -> int:
+    return -(-offset // BLOB_ALIGN) * BLOB_ALIGN
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,12 @@ class RankPlan:
     def nbytes(self) -> int:
         """The file's size: up to the end of its last blob."""
         return self.blobs[-1].offset + self.blobs[-1].length if self.blobs else 0
+
+    def extents(self) -> list[tuple[int, int]]:
+        """Each blob's (start, end) in the file with the padding after it: together they
+        tile ``[0, nbytes)``, which is how the writer hands the buffer to ``write_chunked``."""
+        ends = [blob.offset for blob in self.blobs[1:]] + [self.nbytes]
+        return [(blob.offset, end) for blob, end in zip(self.blobs, ends)]
 
     def gaps(self) -> list[tuple[int, int]]:
         """The (start, end) byte ranges between blobs: alignment padding, stored as zeros."""

@@ -214,17 +214,14 @@ class BackgroundWriter:
         record = None
         if name is not None:
             base = memoryview(job.buffer.numpy())
-            # each blob with the padding after it: the file is the buffer, gaps included
-            ends = [blob.offset for blob in job.plan.blobs[1:]] + [job.plan.nbytes]
-            views = [base[blob.offset : end] for blob, end in zip(job.plan.blobs, ends)]
-            pos = job.plan.nbytes
+            views = [base[start:end] for start, end in job.plan.extents()]
             record = write_chunked(
                 os.path.join(pending, name),
                 views,
                 codec=self.codec,
                 chunk_bytes=self.chunk_bytes,
                 pool=self._pool,
-                contiguous=base[:pos],
+                contiguous=base[: job.plan.nbytes],
                 direct=self.direct_io,
                 ready=job.staged.wait_for,
             )
