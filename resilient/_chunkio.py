@@ -330,32 +330,33 @@ class ChunkedFile:
                                       f"needs {stored_len} bytes)")
 
     def _read_chunk(self, read: "ChunkRead") -> None:
-        chunk, lo, part, whole = read.chunk, read.lo, read.part, read.whole
+        if read.raw:
+            self._read_run([read])
+            return
+        chunk, lo, part = read.chunk, read.lo, read.part
         logical, stored_off, stored_len = chunk[0], chunk[2], chunk[3]
-        fd = self._open()
-        buf = part if whole else memoryview(bytearray(stored_len))
-        got = os.preadv(fd, [buf], stored_off)
+        buf = memoryview(bytearray(stored_len))
+        got = os.preadv(self._open(), [buf], stored_off)
         if got != stored_len:
             raise self._truncated(chunk, got)
         data = decode_chunk(chunk, buf, self.path)
-        if not whole:
-            part[:] = data[lo - logical : lo - logical + len(part)]
+        part[:] = data[lo - logical : lo - logical + len(part)]
 
     def _read_run(self, run: list["ChunkRead"]) -> None:
-        """Whole raw chunks stored back to back, read by one ``preadv`` straight into their
-        destinations, then each verified."""
-        fd = self._open()
-        got = os.preadv(fd, [r.part for r in run], run[0].chunk[2])
-        for r in run:
-            if got < r.chunk[3]:
-                raise self._truncated(r.chunk, max(got, 0))
-            got -= r.chunk[3]
-            decode_chunk(r.chunk, r.part, self.path)
+        """Raw chunks stored back to back, read by one ``preadv`` straight into their
+        destinations (the bytes no one asked for into scratch), then each verified."""
+        buffers = [read.buffers() for read in run]
+        got = os.preadv(self._open(), [b for bufs in buffers for b in bufs], run[0].chunk[2])
+        for read, bufs in zip(run, buffers):
+            if got < read.chunk[3]:
+                raise self._truncated(read.chunk, max(got, 0))
+            got -= read.chunk[3]
+            verify_raw(read.chunk, bufs, self.path)
 
 
 class ChunkRead:
     """One chunk's bytes from ``lo`` into ``part``: a task on its own (it reads and verifies
-    that chunk), or merged by ``batched`` with the chunks stored next to it."""
+    that chunk), or, stored raw, merged by ``batched`` with the chunks stored next to it."""
 
     __slots__ = ("file", "chunk", "lo", "part")
 
@@ -366,10 +367,36 @@ class ChunkRead:
         self.file._read_chunk(self)
 
     @property
+    def raw(self) -> bool:
+        """Stored uncompressed: read straight into ``part``, with no bounce buffer and no copy."""
+        return self.chunk[5] == RAW
+
+    @property
     def whole(self) -> bool:
-        """The entire chunk, stored raw, lands in ``part``: the read needs no bounce buffer."""
-        logical, length, _, _, _, codec = self.chunk
-        return self.lo == logical and len(self.part) == length and codec == RAW
+        """The entire chunk, stored raw, lands in ``part``: the read needs no scratch."""
+        return self.raw and self._spare() == (0, 0)
+
+    def _spare(self) -> tuple[int, int]:
+        """The chunk's bytes before and after ``part``: the 64-byte alignment padding after
+        a tensor's last bytes, or a neighbouring rank's share when resharding."""
+        logical, length = self.chunk[0], self.chunk[1]
+        return self.lo - logical, logical + length - self.lo - len(self.part)
+
+    def buffer_count(self) -> int:
+        head, tail = self._spare()
+        return 1 + (head > 0) + (tail > 0)
+
+    def buffers(self) -> list[memoryview]:
+        """Where a raw chunk's stored bytes go, in order: scratch for the bytes before
+        ``part``, ``part``, scratch for the bytes after it. Why not a bounce buffer for the
+        whole chunk: the wanted bytes then land in place, and the chunk still merges with
+        its neighbours into one read (a tensor's last chunk holds its padding)."""
+        head, tail = self._spare()
+        out = [memoryview(bytearray(head))] if head else []
+        out.append(self.part)
+        if tail:
+            out.append(memoryview(bytearray(tail)))
+        return out
 
 
 #: the most bytes one merged read asks for. Why merge: a checkpoint's chunks are as small
@@ -381,12 +408,13 @@ READ_BATCH_BYTES = 128 << 20
 #: a call's reads are merged into at least this many runs where the bytes allow, so that
 #: every read thread still has work (8: the most threads a rank's read pool has)
 READ_BATCH_WAYS = 8
-#: and at most this many chunks go in one run (buffers of one ``preadv``; Linux takes 1024)
-READ_BATCH_CHUNKS = 512
+#: and at most this many buffers go in one run's ``preadv`` (Linux takes 1024): a chunk
+#: needs one, or up to three when only part of it is wanted
+READ_BATCH_BUFFERS = 1024
 
 
 def batched(tasks: Iterable[Callable[[], None]], limit: int | None = None) -> list[Callable[[], None]]:
-    """The same reads as fewer tasks: whole raw chunks stored back to back in one file
+    """The same reads as fewer tasks: raw chunks stored back to back in one file
     (consecutive tensors, usually) become one read, in file order; every other task is kept
     as it is. Each chunk is still verified on its own. A run holds at most ``limit`` bytes:
     by default the bytes split ``READ_BATCH_WAYS`` ways, at most ``READ_BATCH_BYTES``;
@@ -394,7 +422,7 @@ def batched(tasks: Iterable[Callable[[], None]], limit: int | None = None) -> li
     out: list[Callable[[], None]] = []
     by_file: dict[int, list[ChunkRead]] = {}
     for task in tasks:
-        if isinstance(task, ChunkRead) and task.whole and limit != 0:
+        if isinstance(task, ChunkRead) and task.raw and limit != 0:
             by_file.setdefault(id(task.file), []).append(task)
         else:
             out.append(task)
@@ -404,15 +432,16 @@ def batched(tasks: Iterable[Callable[[], None]], limit: int | None = None) -> li
     for reads in by_file.values():
         reads.sort(key=lambda r: r.chunk[2])
         run: list[ChunkRead] = []
-        size = 0
+        size = buffers = 0
         for r in reads:
             stored_off, stored_len = r.chunk[2], r.chunk[3]
             if run and (stored_off != run[-1].chunk[2] + run[-1].chunk[3] or size + stored_len > limit
-                        or len(run) == READ_BATCH_CHUNKS):
+                        or buffers + r.buffer_count() > READ_BATCH_BUFFERS):
                 out.append(_run_task(run))
-                run, size = [], 0
+                run, size, buffers = [], 0, 0
             run.append(r)
             size += stored_len
+            buffers += r.buffer_count()
         if run:
             out.append(_run_task(run))
     return out
@@ -434,6 +463,20 @@ def _run_task(run: list[ChunkRead]) -> Callable[[], None]:
     return run[0] if len(run) == 1 else ChunkRun(run)
 
 
+def verify_raw(chunk: list[int], stored: list[memoryview], where: str) -> None:
+    """Check a raw chunk read in pieces (its stored bytes in order) against its CRC."""
+    crc = 0
+    for piece in stored:
+        crc = crc32(piece, crc)
+    if crc != chunk[4]:
+        raise _mismatch(chunk, where)
+
+
+def _mismatch(chunk: list[int], where: str) -> CheckpointCorruptError:
+    stored_off, stored_len = chunk[2], chunk[3]
+    return CheckpointCorruptError(f"{where}: checksum mismatch in bytes {stored_off}..{stored_off + stored_len}")
+
+
 def decode_chunk(chunk: list[int], stored: memoryview | bytes, where: str, *, decode: bool = True) -> memoryview:
     """Check a chunk's stored bytes against its CRC; return its logical bytes (or, with
     ``decode=False``, the checked stored bytes)."""
@@ -444,7 +487,7 @@ def decode_chunk(chunk: list[int], stored: memoryview | bytes, where: str, *, de
             f"needs {stored_len} bytes)"
         )
     if crc32(stored) != crc:
-        raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes {stored_off}..{stored_off + stored_len}")
+        raise _mismatch(chunk, where)
     if codec == ZSTD and decode:
         try:
             return memoryview(_decompressor().decompress(stored, max_output_size=length))

@@ -58,7 +58,7 @@ def test_merged_reads_fill_every_destination_with_its_own_bytes(tmp_path):
     assert [bytes(d) for d in dests] == data
 
 
-def test_runs_respect_the_byte_limit_the_chunk_cap_and_the_default_split(tmp_path, monkeypatch):
+def test_runs_respect_the_byte_limit_the_buffer_cap_and_the_default_split(tmp_path, monkeypatch):
     data = blobs()
     path = str(tmp_path / "f.data")
     record = write(path, data)
@@ -71,13 +71,13 @@ def test_runs_respect_the_byte_limit_the_chunk_cap_and_the_default_split(tmp_pat
     assert all(sum(r.chunk[3] for r in _run_of(t)) <= limit for t in merged)
     assert sum(len(_run_of(t)) for t in merged) == len(sizes)
 
-    monkeypatch.setattr(_chunkio, "READ_BATCH_CHUNKS", 3)
+    monkeypatch.setattr(_chunkio, "READ_BATCH_BUFFERS", 3)  # whole chunks: one buffer each
     capped = batched(reads_into(file, dests), limit=1 << 30)
     assert max(len(_run_of(t)) for t in capped) == 3
     run_all(capped)
     assert [bytes(d) for d in dests] == data
 
-    monkeypatch.setattr(_chunkio, "READ_BATCH_CHUNKS", 512)
+    monkeypatch.setattr(_chunkio, "READ_BATCH_BUFFERS", 1024)
     default = batched(reads_into(file, dests))  # split READ_BATCH_WAYS ways by bytes
     assert len(default) >= min(_chunkio.READ_BATCH_WAYS, len(sizes)) - 1
     assert len(batched(reads_into(file, dests), limit=0)) == len(sizes)  # 0: nothing merged
@@ -116,7 +116,7 @@ def test_a_file_truncated_inside_a_merged_run_names_the_chunk_cut(tmp_path):
         run_all(merged)
 
 
-def test_partial_and_compressed_chunks_are_read_on_their_own(tmp_path):
+def test_compressed_chunks_are_read_on_their_own_and_partial_raw_ones_merge(tmp_path):
     data = [bytes(3 * CHUNK), os.urandom(2 * CHUNK)]  # zeros compress; random bytes are stored raw
     path = str(tmp_path / "f.data")
     record = write(path, data, codec="zstd")
@@ -129,12 +129,51 @@ def test_partial_and_compressed_chunks_are_read_on_their_own(tmp_path):
     tasks += file.read_tasks(3 * CHUNK + CHUNK // 2, memoryview(partial))
     merged = batched(tasks, limit=1 << 30)
     runs = [t for t in merged if isinstance(t, ChunkRun)]
-    assert len(runs) == 1 and [r.chunk[5] for r in runs[0].reads] == [_chunkio.RAW, _chunkio.RAW]
-    assert all(not t.whole for t in merged if isinstance(t, ChunkRead))  # compressed, or part of a chunk
-    assert len(merged) == len(tasks) - 1  # only the second blob's two whole raw chunks merged
+    # the second blob's two raw chunks are each read twice: whole, and in part for
+    # ``partial``. In file order: the first chunk whole, then (one run) its wanted half and
+    # the second chunk whole, then the second chunk's wanted half
+    assert [[(r.chunk[0], r.whole) for r in run.reads] for run in runs] == [[(3 * CHUNK, False), (4 * CHUNK, True)]]
+    alone = [t for t in merged if isinstance(t, ChunkRead)]
+    assert sorted((t.raw, t.whole) for t in alone) == [(False, False)] * 3 + [(True, False), (True, True)]
     run_all(merged)
     assert [bytes(d) for d in dests] == data
     assert bytes(partial) == data[1][CHUNK // 2 : CHUNK // 2 + CHUNK]
+
+
+def test_chunks_holding_padding_merge_and_read_only_the_wanted_bytes(tmp_path):
+    """Each tensor's last chunk holds the zeros that put the next tensor on a 64-byte
+    offset: its wanted bytes land in the tensor, the padding in scratch, and the chunks of
+    consecutive tensors still make one read."""
+    data = blobs()
+    padded = [b + bytes(-len(b) % 64) for b in data]
+    path = str(tmp_path / "f.data")
+    record = write(path, padded)
+    file = ChunkedFile(path, record)
+    dests = [bytearray(len(b)) for b in data]
+    tasks, offset = [], 0
+    for dest, blob in zip(dests, padded):
+        tasks += file.read_tasks(offset, memoryview(dest))
+        offset += len(blob)
+    assert any(not t.whole for t in tasks)  # the odd-sized tensors' last chunks
+    merged = batched(tasks, limit=1 << 30)
+    assert len(merged) == 1 and isinstance(merged[0], ChunkRun)
+    run_all(merged)
+    assert [bytes(d) for d in dests] == data
+
+
+def test_a_flipped_padding_byte_is_caught_though_no_one_asked_for_it(tmp_path):
+    data = [os.urandom(100), os.urandom(CHUNK)]
+    path = str(tmp_path / "f.data")
+    record = write(path, [memoryview(data[0] + bytes(28)), memoryview(data[1])])
+    with open(path, "r+b") as f:
+        f.seek(110)  # inside the first chunk's padding
+        f.write(b"\x01")
+    dests = [bytearray(100), bytearray(CHUNK)]
+    tasks = ChunkedFile(path, record).read_tasks(0, memoryview(dests[0]))
+    tasks += ChunkedFile(path, record).read_tasks(128, memoryview(dests[1]))
+    first = record["chunks"][0]
+    with pytest.raises(CheckpointCorruptError, match=f"checksum mismatch in bytes 0..{first[3]}"):
+        run_all(batched(tasks, limit=1 << 30))
 
 
 def test_other_ranks_parts_are_queued_a_lag_behind_their_owners():
