@@ -371,11 +371,6 @@ class ChunkRead:
         """Stored uncompressed: read straight into ``part``, with no bounce buffer and no copy."""
         return self.chunk[5] == RAW
 
-    @property
-    def whole(self) -> bool:
-        """The entire chunk, stored raw, lands in ``part``: the read needs no scratch."""
-        return self.raw and self._spare() == (0, 0)
-
     def _spare(self) -> tuple[int, int]:
         """The chunk's bytes before and after ``part``: the 64-byte alignment padding after
         a tensor's last bytes, or a neighbouring rank's share when resharding."""
@@ -383,6 +378,7 @@ class ChunkRead:
         return self.lo - logical, logical + length - self.lo - len(self.part)
 
     def buffer_count(self) -> int:
+        """How many buffers ``buffers`` gives, without allocating the scratch."""
         head, tail = self._spare()
         return 1 + (head > 0) + (tail > 0)
 

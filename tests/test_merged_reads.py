@@ -1,4 +1,4 @@
-"""Restore merges whole raw chunks stored back to back into one ``preadv``: the same bytes
+"""Restore merges raw chunks stored back to back into one ``preadv``: the same bytes
 land in the same destinations, every chunk is still checked on its own (a bad byte or a
 truncation names the chunk it sits in), and what cannot be merged is read as before."""
 
@@ -83,6 +83,11 @@ def test_runs_respect_the_byte_limit_the_buffer_cap_and_the_default_split(tmp_pa
     assert len(batched(reads_into(file, dests), limit=0)) == len(sizes)  # 0: nothing merged
 
 
+def whole(read: ChunkRead) -> bool:
+    """The entire chunk, stored raw, lands in the read's destination: no scratch."""
+    return read.raw and read.buffer_count() == 1
+
+
 def _run_of(task) -> list[ChunkRead]:
     """The chunks a task from ``batched`` reads."""
     return task.reads if isinstance(task, ChunkRun) else [task]
@@ -132,9 +137,9 @@ def test_compressed_chunks_are_read_on_their_own_and_partial_raw_ones_merge(tmp_
     # the second blob's two raw chunks are each read twice: whole, and in part for
     # ``partial``. In file order: the first chunk whole, then (one run) its wanted half and
     # the second chunk whole, then the second chunk's wanted half
-    assert [[(r.chunk[0], r.whole) for r in run.reads] for run in runs] == [[(3 * CHUNK, False), (4 * CHUNK, True)]]
+    assert [[(r.chunk[0], whole(r)) for r in run.reads] for run in runs] == [[(3 * CHUNK, False), (4 * CHUNK, True)]]
     alone = [t for t in merged if isinstance(t, ChunkRead)]
-    assert sorted((t.raw, t.whole) for t in alone) == [(False, False)] * 3 + [(True, False), (True, True)]
+    assert sorted((t.raw, whole(t)) for t in alone) == [(False, False)] * 3 + [(True, False), (True, True)]
     run_all(merged)
     assert [bytes(d) for d in dests] == data
     assert bytes(partial) == data[1][CHUNK // 2 : CHUNK // 2 + CHUNK]
@@ -154,7 +159,7 @@ def test_chunks_holding_padding_merge_and_read_only_the_wanted_bytes(tmp_path):
     for dest, blob in zip(dests, padded):
         tasks += file.read_tasks(offset, memoryview(dest))
         offset += len(blob)
-    assert any(not t.whole for t in tasks)  # the odd-sized tensors' last chunks
+    assert any(not whole(t) for t in tasks)  # the odd-sized tensors' last chunks
     merged = batched(tasks, limit=1 << 30)
     assert len(merged) == 1 and isinstance(merged[0], ChunkRun)
     run_all(merged)
