@@ -351,7 +351,7 @@ class ChunkedFile:
             if got < read.chunk[3]:
                 raise self._truncated(read.chunk, max(got, 0))
             got -= read.chunk[3]
-            verify_raw(read.chunk, bufs, self.path)
+            verify_stored(read.chunk, bufs, self.path)
 
 
 class ChunkRead:
@@ -459,31 +459,26 @@ def _run_task(run: list[ChunkRead]) -> Callable[[], None]:
     return run[0] if len(run) == 1 else ChunkRun(run)
 
 
-def verify_raw(chunk: list[int], stored: list[memoryview], where: str) -> None:
-    """Check a raw chunk read in pieces (its stored bytes in order) against its CRC."""
+def verify_stored(chunk: list[int], stored: list[memoryview | bytes], where: str) -> None:
+    """Check a chunk's stored bytes, in one piece or several in order, against its CRC."""
     crc = 0
     for piece in stored:
         crc = crc32(piece, crc)
     if crc != chunk[4]:
-        raise _mismatch(chunk, where)
-
-
-def _mismatch(chunk: list[int], where: str) -> CheckpointCorruptError:
-    stored_off, stored_len = chunk[2], chunk[3]
-    return CheckpointCorruptError(f"{where}: checksum mismatch in bytes {stored_off}..{stored_off + stored_len}")
+        stored_off, stored_len = chunk[2], chunk[3]
+        raise CheckpointCorruptError(f"{where}: checksum mismatch in bytes {stored_off}..{stored_off + stored_len}")
 
 
 def decode_chunk(chunk: list[int], stored: memoryview | bytes, where: str, *, decode: bool = True) -> memoryview:
     """Check a chunk's stored bytes against its CRC; return its logical bytes (or, with
     ``decode=False``, the checked stored bytes)."""
-    logical, length, stored_off, stored_len, crc, codec = chunk
+    logical, length, stored_off, stored_len, _, codec = chunk
     if len(stored) != stored_len:
         raise CheckpointCorruptError(
             f"{where}: truncated at byte {stored_off + len(stored)} (chunk at {stored_off} "
             f"needs {stored_len} bytes)"
         )
-    if crc32(stored) != crc:
-        raise _mismatch(chunk, where)
+    verify_stored(chunk, [stored], where)
     if codec == ZSTD and decode:
         try:
             return memoryview(_decompressor().decompress(stored, max_output_size=length))
