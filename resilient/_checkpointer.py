@@ -36,7 +36,7 @@ from ._transfer import copy_step, has_all_files
 from ._tree import Flattened, flatten_state
 from ._uploader import Uploader
 from ._faults import from_env as faults_from_env
-from ._fence import STAGING_MODES, StagedPrefix, deferred_sources, open_all, optimizer_storages
+from ._fence import STAGING_MODES, SnapshotDone, deferred_sources, open_all, optimizer_storages
 from ._watchdog import from_env as watchdog_from_env
 from ._metrics import enabled as metrics_enabled
 from ._metrics import metrics
@@ -368,20 +368,21 @@ class Checkpointer:
         buffer = self._staging.buffer_for(plan, flat.tensors)
         handle.nbytes = buffer.numel()
         handle.deferred_bytes = sum(blob.length for blob in plan.blobs if blob.name in deferred)
-        staged = StagedPrefix()
+        snapshot = SnapshotDone()
         self._seq += 1
         with self._lock:
             self._inflight = handle
             self._handles.append(handle)
-        # handed to the writer before the copy: it writes each piece as soon as it is staged
+        # handed to the writer before the copy, which it waits for: a copy that fails then
+        # becomes this rank's report (an error), and the save fails on every rank at once
         self._writer.submit(SaveJob(seq=self._seq, step=step, buffer=buffer, plan=plan, tree=flat.tree,
-                                    rng=capture_rng() if self.rng else None, handle=handle, staged=staged))
+                                    rng=capture_rng() if self.rng else None, handle=handle, snapshot=snapshot))
         try:
-            fence = self._staging.stage(plan, flat.tensors, deferred, on_wait=self._count_staging_wait, staged=staged)
+            fence = self._staging.stage(plan, flat.tensors, deferred, on_wait=self._count_staging_wait)
         except BaseException as exc:
-            staged.complete(error=exc)  # this rank's report is an error: the save fails everywhere
+            snapshot.complete(error=exc)
             raise
-        staged.complete(fence)
+        snapshot.complete(fence)
         self.stats["bytes_staged"] += handle.nbytes
         handle.staged_at = time.perf_counter()
         self._events.emit("save_staged", step=step, stall_s=round(handle.staged_at - handle.started, 6),

@@ -156,18 +156,11 @@ def _encode(data: memoryview, codec: int) -> tuple[memoryview | bytes, int]:
     return data, RAW
 
 
-def _split(blobs: Iterable[memoryview], chunk_bytes: int) -> Iterable[tuple[memoryview, int]]:
-    """The chunks, each with where it ends in the blobs laid back to back."""
-    end = 0
+def _split(blobs: Iterable[memoryview], chunk_bytes: int) -> Iterable[memoryview]:
+    """The chunks: each blob cut into pieces of ``chunk_bytes`` (the last one shorter)."""
     for blob in blobs:
         for start in range(0, len(blob), chunk_bytes):
-            piece = blob[start : start + chunk_bytes]
-            end += len(piece)
-            yield piece, end
-
-
-def _no_wait(end: int) -> None:
-    """``ready`` when every byte is final before the write starts."""
+            yield blob[start : start + chunk_bytes]
 
 
 def write_chunked(
@@ -180,7 +173,6 @@ def write_chunked(
     lookahead: int = 4,
     contiguous: memoryview | None = None,
     direct: bool = True,
-    ready: Callable[[int], None] = _no_wait,
 ) -> dict:
     """Write ``blobs`` back to back into a new file at ``path``, fsync it, return its record.
 
@@ -190,8 +182,6 @@ def write_chunked(
     file is then written from it with direct I/O in large writes, checksummed meanwhile
     (see ``_DirectWriter`` and ``DIRECT_WRITE_BYTES``), unless ``direct`` is False: a
     buffered write leaves the file in the page cache, for a restart on this node.
-    ``ready(end)`` returns once the blobs' bytes ``[0, end)`` are final (or raises): the
-    snapshot copy may still be filling them, and nothing is read from a byte before.
     """
     codec_id = CODECS[codec]
     chunks: list[list[int]] = []
@@ -204,12 +194,11 @@ def write_chunked(
         if direct and codec_id == RAW and contiguous is not None:
             writer = _DirectWriter(path, contiguous)
         if writer is not None and writer.fd is not None:
-            chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool, ready)
+            chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool)
             os.fsync(fd)
             return {"bytes": len(writer.source), "chunks": chunks}
 
-        def encode(data: memoryview, end: int) -> tuple[memoryview | bytes, int, int]:
-            ready(end)
+        def encode(data: memoryview) -> tuple[memoryview | bytes, int, int]:
             payload, used = _encode(data, codec_id)
             return payload, used, crc32(payload)
 
@@ -218,10 +207,10 @@ def write_chunked(
 
         def refill() -> None:
             while len(pending) < lookahead:
-                piece, end = next(pieces, (None, 0))
+                piece = next(pieces, None)
                 if piece is None:
                     return
-                pending.append((len(piece), pool.submit(encode, piece, end)))
+                pending.append((len(piece), pool.submit(encode, piece)))
 
         refill()
         while pending:
@@ -254,28 +243,16 @@ def write_chunked(
 DIRECT_WRITE_BYTES = 64 << 20
 
 
-def _crc_when_ready(ready: Callable[[int], None], piece: memoryview, end: int) -> int:
-    ready(end)
-    return crc32(piece)
-
-
 def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview], chunk_bytes: int,
-                      pool: Executor, ready: Callable[[int], None]) -> list[list[int]]:
+                      pool: Executor) -> list[list[int]]:
     """Raw chunks, written from the buffer in large direct writes while ``pool`` checksums
-    them: what is stored is the buffer's own bytes, so the checksum need not come first.
-    Each write starts once ``ready`` says its bytes are staged; the checksums wait for the
-    whole snapshot. Why: a write mostly waits on the device, but checksumming reads memory
-    at 16-21 GB/s, and beside the copy it took the copy's cores and bandwidth (1 GB on one
-    rank, medians of 5 saves in 3 interleaved runs: stalls of 0.27-0.60 s checksummed
-    piece by piece, 0.21-0.27 s after the copy, which also committed sooner)."""
-    pieces = list(_split(blobs, chunk_bytes))
+    them: what is stored is the buffer's own bytes, so the checksum need not come first."""
+    crcs = [pool.submit(crc32, piece) for piece in _split(blobs, chunk_bytes)]
     total = len(writer.source)
-    crcs = [pool.submit(_crc_when_ready, ready, piece, total) for piece, _ in pieces]
     for end in range(DIRECT_WRITE_BYTES, total + DIRECT_WRITE_BYTES, DIRECT_WRITE_BYTES):
-        ready(min(end, total))
         writer.advance(min(end, total), fd, final=end >= total)
     chunks, offset = [], 0
-    for (piece, _), crc in zip(pieces, crcs):
+    for piece, crc in zip(_split(blobs, chunk_bytes), crcs):
         chunks.append([offset, len(piece), offset, len(piece), crc.result(), RAW])
         offset += len(piece)
     return chunks

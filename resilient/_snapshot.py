@@ -14,13 +14,13 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from ._chunkio import DIRECT_ALIGN, crc32
 from ._errors import UnsupportedStateError
-from ._fence import CopyThread, StagedPrefix, StagingFence, register
+from ._fence import CopyThread, StagingFence, register
 from ._format import dtype_from_name, dtype_name
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
@@ -295,24 +295,15 @@ def plan_rank(
     return RankPlan(blobs, meta, signature, replicated, shards)
 
 
-#: bytes copied between two advances of the staged prefix: the writer's first direct write
-#: (``_chunkio.DIRECT_WRITE_BYTES``) can start once this many are staged
-STAGE_PIECE_BYTES = 64 << 20
-
-
-def copy_ranges(length: int, piece: int) -> Iterator[tuple[int, int]]:
-    """(lo, hi) ranges of at most about ``piece`` bytes that copy ``[0, length)``: all but a
-    short tail are multiples of ``BLOB_ALIGN`` times torch's thread count. Why: torch splits
-    one copy evenly among its threads, and a thread whose range starts off a cache line
-    slowed the whole copy as much as a misaligned destination does (4 GB in 24 tensors of
-    odd sizes, 64-byte-aligned destinations: 0.39-0.42 s copied whole, 0.34 s so)."""
+def copy_ranges(length: int) -> list[tuple[int, int]]:
+    """(lo, hi) ranges that copy ``[0, length)``: a bulk that is a multiple of ``BLOB_ALIGN``
+    times torch's thread count, then a short tail. Why: torch splits one copy evenly among
+    its threads, and a thread whose range starts off a cache line slowed the whole copy as
+    much as a misaligned destination does (4 GB in 24 tensors of odd sizes, 64-byte-aligned
+    destinations: 0.39-0.42 s copied whole, 0.34 s so)."""
     grain = BLOB_ALIGN * max(1, torch.get_num_threads())
-    step = max(grain, piece // grain * grain)
     bulk = length - length % grain
-    for lo in range(0, bulk, step):
-        yield lo, min(bulk, lo + step)
-    if bulk < length:
-        yield bulk, length
+    return [(lo, hi) for lo, hi in ((0, bulk), (bulk, length)) if hi > lo]
 
 
 def page_aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
@@ -366,12 +357,9 @@ class Staging:
         return self._ensure(plan.nbytes, self.on_device(tensors))[: plan.nbytes]
 
     def stage(self, plan: RankPlan, tensors: dict[str, torch.Tensor], deferred: set[str] | frozenset[str] = frozenset(),
-              on_wait: Callable[[float], None] = lambda seconds: None,
-              staged: StagedPrefix | None = None) -> StagingFence | None:
+              on_wait: Callable[[float], None] = lambda seconds: None) -> StagingFence | None:
         """Copy the plan's blobs into ``buffer_for(plan, tensors)``; return the fence that
-        tells when it is complete, or None when it already is. ``staged``: advanced as the
-        bytes land, when they are copied here in file order (CPU state, nothing deferred);
-        the caller completes it."""
+        tells when it is complete, or None when it already is."""
         pin = self.on_device(tensors)
         buffer = self._ensure(plan.nbytes, pin)
         self._zero_gaps(buffer, plan)
@@ -385,8 +373,7 @@ class Staging:
             if pin:
                 self._stage_on_device(buffer, tensors, now, later, fence)
             else:
-                self._copy(buffer, tensors, now, non_blocking=False,
-                           progress=staged.advance if staged is not None and not later else None)
+                self._copy(buffer, tensors, now, non_blocking=False)
                 if later:
                     def copy_later(fence: StagingFence = fence) -> None:  # type: ignore[assignment]
                         error = None
@@ -400,17 +387,11 @@ class Staging:
         return fence
 
     @staticmethod
-    def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[Blob],
-              non_blocking: bool, progress: Callable[[int], None] | None = None) -> None:
-        """``progress(end)``: bytes up to ``end`` are copied, told every ``STAGE_PIECE_BYTES``
-        or so (a blob can be a whole embedding of gigabytes; the writer should not wait for it all)."""
+    def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[Blob], non_blocking: bool) -> None:
         for blob in blobs:
             src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
-            piece = STAGE_PIECE_BYTES if progress is not None else blob.length
-            for lo, hi in copy_ranges(blob.length, piece):
+            for lo, hi in copy_ranges(blob.length):
                 buffer[blob.offset + lo : blob.offset + hi].copy_(src[lo:hi], non_blocking=non_blocking)
-                if progress is not None:
-                    progress(blob.offset + hi)
 
     def _stage_on_device(self, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], now: list[Blob],
                          later: list[Blob], fence: StagingFence | None) -> None:

@@ -32,7 +32,7 @@ from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import FORMAT, VERSION, data_file_name, encode_manifest
 from ._local import LocalTier
-from ._fence import StagedPrefix
+from ._fence import SnapshotDone
 from ._snapshot import RankPlan
 
 __all__ = ["SaveHandle", "SaveJob", "BackgroundWriter", "assemble_manifest"]
@@ -85,7 +85,7 @@ class SaveJob:
     tree: dict[str, Any]
     rng: dict[str, Any] | None
     handle: SaveHandle
-    staged: StagedPrefix  # how much of ``buffer`` is final: the copy may still be running
+    snapshot: SnapshotDone  # when ``buffer`` is final: the copy may still be running
 
 
 def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> dict[str, Any]:
@@ -210,6 +210,7 @@ class BackgroundWriter:
 
     def _write_rank_file(self, job: SaveJob, pending: str) -> dict[str, Any]:
         rank = self.coord.rank
+        job.snapshot.wait()  # raises if the snapshot failed or was torn: this rank's report is then an error
         name = data_file_name(rank) if job.buffer.numel() else None
         record = None
         if name is not None:
@@ -223,10 +224,8 @@ class BackgroundWriter:
                 pool=self._pool,
                 contiguous=base[: job.plan.nbytes],
                 direct=self.direct_io,
-                ready=job.staged.wait_for,
             )
             fsync_dir(pending)
-        job.staged.wait_all()  # raises if the snapshot failed or was torn: this rank's report is then an error
         return {
             "rank": rank,
             "file": name,

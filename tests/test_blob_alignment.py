@@ -70,18 +70,19 @@ def test_padding_is_zeros_after_the_layout_changes_in_a_reused_buffer(root):
     _assert_aligned_with_zero_gaps(root, 2)
 
 
-def test_copy_ranges_cover_the_blob_in_thread_aligned_pieces():
+def test_copy_ranges_cover_the_blob_with_a_thread_aligned_bulk_and_a_short_tail():
     threads = torch.get_num_threads()
     grain = BLOB_ALIGN * threads
     for length in (0, 1, grain - 1, grain, grain + 3, 10 * grain + 17, (1 << 20) + 5):
-        for piece in (grain, 3 * grain + 1, 1 << 16, 1 << 30):
-            ranges = list(copy_ranges(length, piece))
-            if length == 0:
-                assert ranges == []
-                continue
-            assert [lo for lo, _ in ranges] == [0] + [hi for _, hi in ranges[:-1]], (length, piece)
-            assert (ranges[-1][1] if ranges else 0) == length
-            assert all(hi > lo for lo, hi in ranges)
-            *bulk, last = ranges
-            assert all((hi - lo) % grain == 0 and hi - lo <= max(piece, grain) for lo, hi in bulk), (length, piece)
-            assert (last[1] - last[0]) % grain == 0 or last[1] - last[0] < grain
+        ranges = copy_ranges(length)
+        if length == 0:
+            assert ranges == []
+            continue
+        assert [lo for lo, _ in ranges] == [0] + [hi for _, hi in ranges[:-1]], length
+        assert ranges[-1][1] == length
+        assert all(hi > lo for lo, hi in ranges)
+        assert len(ranges) <= 2
+        bulk = [hi - lo for lo, hi in ranges if (hi - lo) % grain == 0]
+        tail = [hi - lo for lo, hi in ranges if (hi - lo) % grain]
+        assert len(tail) <= 1 and all(n < grain for n in tail), (length, ranges)
+        assert sum(bulk) == length - length % grain, (length, ranges)
