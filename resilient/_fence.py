@@ -143,9 +143,9 @@ class SnapshotDone:
     stalls of 0.34-0.43 s when the writes waited, 0.38-0.53 s when they overlapped the copy,
     which made the save durable only 0.05-0.15 s sooner (1.91-2.40 s against 2.01-2.61 s).
     The checksums already waited (1 GB: stalls of 0.27-0.60 s checksummed beside the copy,
-    0.21-0.27 s after it). A copy that finishes after ``save`` returns
-    (deferred blobs, device state) completes this with the ``StagingFence`` the writer then
-    waits on; a copy that fails completes it with the error, so a waiting writer never hangs.
+    0.21-0.27 s after it). A copy that finishes after ``save`` returns (deferred blobs,
+    device state) completes this with the ``StagingFence`` the writer then waits on; a copy
+    that fails completes it with the error, so a waiting writer never hangs.
     """
 
     def __init__(self) -> None:
