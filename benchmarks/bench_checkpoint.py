@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (GB, PeakRSS, drop_cache, mean_or_nan, mean_step_seconds, memcpy_seconds,
-                               read_range_seconds, settle_memory, step_samples, write_file)
+                               probe_block, read_range_seconds, settle_memory, step_samples,
+                               write_file)
 
 N_PARAMS = 26
 RESILIENT = {"resilient": True, "resilient(buffered)": False}  # name: direct_io
@@ -292,6 +293,18 @@ def _write_probes(directory: str, nbytes: int, rank: int, world: int) -> tuple[d
     return out, files
 
 
+def _probe_write(directory: str, nbytes: int, kind: str, block: Any) -> float:
+    """Seconds for one fsync'd write of ``nbytes`` (``kind``: direct or buffered); the file
+    goes at once, so a method's turn holds one checkpoint's extra bytes on disk at most."""
+    path = os.path.join(directory, "probe-near.bin")
+    try:
+        took = write_file(path, nbytes, direct=kind == "direct", data=block)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return took
+
+
 def _read_probes(files: dict[str, str], nbytes: int, rank: int, world: int) -> dict[str, float]:
     """A cold read of each pattern's file (one reader, one per rank, four per rank: which
     one the disk serves fastest varies); the limit is the fastest pattern."""
@@ -318,6 +331,7 @@ def worker(args: dict[str, Any]) -> None:
     nbytes, total = local_nbytes(state), int(args["gb"] * GB)
     os.makedirs(args["root"], exist_ok=True)
     records: list[dict[str, Any]] = []
+    block = probe_block()  # made before any method's RSS is sampled
     roots = {name: os.path.join(args["root"], name.replace("+", "_").replace("(", "_").strip(")"))
              for name in args["methods"]}
     for rnd in range(args["rounds"]):
@@ -326,13 +340,26 @@ def worker(args: dict[str, Any]) -> None:
         records.append({"limits": limits})
         last_step = {}
         for name in _rotated(args["methods"], rnd):
-            settled = settle_memory()  # the probe's or the last method's freed buffers first
+            settle_memory()  # the last method's freed buffers first
             _barrier()
+            memcpy_near = memcpy_seconds(nbytes, sync=_barrier)  # seconds before this method's first save
+            settled = settle_memory()  # and the probe's
+            _barrier()
+            writes_near: dict[str, list[float]] = {"direct": [], "buffered": []}
+
+            def probe_write(kind: str) -> None:
+                """One fsync'd write of the checkpoint's size, in the gap before each save
+                (direct: it leaves no page cache to free under the next save) and after
+                the last (direct, then buffered): the method's write limit is measured
+                seconds, not minutes, from its own writes."""
+                writes_near[kind].append(_on_rank0(rank, lambda: _probe_write(args["root"], total, kind, block)))
+
             with PeakRSS() as rss:  # from before the method exists: buffers it keeps count too
                 method = Method(name, roots[name], state, rank, world, args["layout"])
                 method.save(1)  # warm-up: buffers, daemons, first touch
                 stalls, durables = [], []
                 for step in range(2, 2 + args["saves"]):
+                    probe_write("direct")
                     time.sleep(args.get("gap", 1.0))  # saves are spaced by training steps, not back to back
                     _barrier()
                     stall, durable = method.save(step)
@@ -344,9 +371,12 @@ def worker(args: dict[str, Any]) -> None:
                     time.sleep(args.get("gap", 1.0))
                     last_step[name] += 1
                     slowdown, slowdown_from_call = step_slowdown(method, last_step[name])
+                probe_write("direct")
+                probe_write("buffered")
             method.close()
             method.forget_before(last_step[name])
             records.append({"round": rnd, "method": name, "stall": stalls, "durable": durables, "restore": [],
+                            "memcpy_near_s": memcpy_near, "writes_near_s": writes_near,
                             "rss_extra": rss.extra, "slowdown": slowdown, "settled_s": settled,
                             "slowdown_from_call": slowdown_from_call})
             method = None  # drop its buffers before the next method allocates its own
@@ -422,9 +452,9 @@ def main() -> None:
 
 def _check_free_space(base: str, gb: float, methods: int) -> None:
     """Refuse to start a run the disk cannot hold, instead of failing in its last cells.
-    At the peak every method's last checkpoint, the read probes' files (3) and a DCP method's
-    earlier steps (3, deleted after its turn) are on disk at once."""
-    need = gb * GB * (methods + 6)
+    At the peak every method's last checkpoint, the read probes' files (3), a DCP method's
+    earlier steps (3, deleted after its turn) and a write probe's file are on disk at once."""
+    need = gb * GB * (methods + 7)
     free = shutil.disk_usage(base).free
     if free < need:
         sys.exit(f"{base}: {free / GB:.1f} GB free, but {methods} method(s) at {gb:g} GB need about "
@@ -470,6 +500,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
     """One row per method: in each round the median of the slowest rank's times over the
     round's samples, as ratios against that round's limits; then the median over rounds."""
     nbytes = gb * GB
+    local_gb = gb / world if layout == "sharded" else gb
     rank0 = per_rank[0]
     limits = {x["limits"]["round"]: x["limits"] for x in rank0 if "limits" in x}
     memcpy = {rnd: max(x["limits"]["memcpy_local_s"] for pr in per_rank for x in pr
@@ -484,9 +515,11 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
             worst = {k: med(v) for k, v in samples.items()}
             worst["rss_extra"] = max(x["rss_extra"] for x in mine)
             worst["settled_s"] = max(x.get("settled_s", 0.0) for x in mine)  # waited before the turn
-            runs.append({"round": rnd, **worst, "samples": samples, "memcpy_local_s": memcpy[rnd],
-                         "write_s": lim["write_s"], "read_s": lim["read_s"], "stall_x_memcpy": worst["stall"] / memcpy[rnd],
-                         "write_frac": lim["write_s"] / worst["durable"],
+            memcpy_near, write_near = _near_limits(mine)
+            runs.append({"round": rnd, **worst, "samples": samples, "memcpy_local_s": memcpy_near,
+                         "write_s": write_near, "round_memcpy_local_s": memcpy[rnd], "round_write_s": lim["write_s"],
+                         "writes_near_s": mine[0]["writes_near_s"], "read_s": lim["read_s"],
+                         "stall_x_memcpy": worst["stall"] / memcpy_near, "write_frac": write_near / worst["durable"],
                          # every rank restores at once from one disk: the checkpoint's bytes are
                          # read from it once (replicas share the page cache or a broadcast)
                          "restore_frac": lim["read_s"] / worst["restore"]})
@@ -495,6 +528,8 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
         row = {"gb": gb, "world": world, "layout": layout, "method": name, "rounds": len(runs),
                **{k: med(r[k] for r in runs) for k in ("stall", "durable", "restore", "stall_x_memcpy",
                                                        "write_frac", "restore_frac")},
+               "near_gbps": {"memcpy": med(local_gb / r["memcpy_local_s"] for r in runs),
+                             "write": med(nbytes / GB / r["write_s"] for r in runs)},
                "rss_extra": max(r["rss_extra"] for r in runs),
                "limits": {"memcpy_gbps": med(nbytes / world / memcpy[r] / GB for r in limits)
                           if layout == "sharded" else med(nbytes / memcpy[r] / GB for r in limits),
@@ -508,6 +543,15 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
     return rows
 
 
+def _near_limits(records: list[dict[str, Any]]) -> tuple[float, float]:
+    """(memcpy, write) seconds probed within the method's own turn: the memcpy of every rank
+    at once just before its first save (the slowest rank's), and the faster kind of fsync'd
+    write by its median over the probes between and after its saves (rank 0 writes them)."""
+    writes = records[0]["writes_near_s"]
+    return (max(x["memcpy_near_s"] for x in records),
+            min(statistics.median(v) for v in writes.values() if v))
+
+
 def _slowest(records: list[dict[str, Any]], key: str) -> list[float]:
     """Each sample's time as the job sees it: the slowest rank's (all ranks take the same
     number of samples, in the same order)."""
@@ -519,8 +563,10 @@ def _limits_line(row: dict[str, Any]) -> str:
     reads = ", ".join(f"{k[5:-5].replace('_', ' ')} {v:.2f}" for k, v in lim.items()
                       if k.startswith("read_") and k != "read_gbps")
     return (f"# {row['gb']:g} GB, {row['world']} rank(s), {row['layout']}, medians of {row['rounds']} rounds: "
-            f"fsync'd write {lim['write_buffered_gbps']:.2f} GB/s buffered, {lim['write_direct_gbps']:.2f} direct; "
-            f"cold read GB/s {reads}")
+            f"at round start fsync'd write {lim['write_buffered_gbps']:.2f} GB/s buffered, "
+            f"{lim['write_direct_gbps']:.2f} direct, memcpy {lim['memcpy_gbps']:.1f}; "
+            f"within {row['method']}'s turn write {row['near_gbps']['write']:.2f}, "
+            f"memcpy {row['near_gbps']['memcpy']:.1f}; cold read GB/s {reads}")
 
 
 # host copies of the rank's local state each method holds at its peak, besides the state itself

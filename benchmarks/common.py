@@ -89,7 +89,7 @@ def drop_cache(path: str) -> None:
             os.close(fd)
 
 
-def _probe_block(block: int) -> torch.Tensor:
+def probe_block(block: int = 64 << 20) -> torch.Tensor:
     """A page-aligned block of random bytes (direct I/O needs the alignment).
 
     Why random: a probe of constant bytes measured 4 GB/s cold reads here while the same
@@ -109,12 +109,15 @@ def _stamped(block: torch.Tensor, index: int) -> memoryview:
     return memoryview(block.numpy())
 
 
-def write_file(path: str, nbytes: int, block: int = 64 << 20, direct: bool = False) -> float:
+def write_file(path: str, nbytes: int, block: int = 64 << 20, direct: bool = False,
+               data: torch.Tensor | None = None) -> float:
     """Write ``nbytes`` of random bytes sequentially and fsync; the seconds it took. ``direct``:
     with direct I/O (page cache bypassed; whole pages only), or inf where the file system
     refuses it. The disk's write limit is the faster of the two: the writer uses direct I/O
-    where it can."""
-    data = _probe_block(block)
+    where it can. ``data``: a block from ``probe_block`` made beforehand, so that a probe
+    taken while a method's peak RSS is sampled does not count its own block."""
+    data = probe_block(block) if data is None else data
+    block = data.numel()
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (getattr(os, "O_DIRECT", 0) if direct else 0),
                      0o644)
