@@ -211,7 +211,7 @@ class Checkpointer:
         self.flush_timeout = _env_float("RESILIENT_FLUSH_TIMEOUT", 300.0)
         self._remote: Storage | None = open_storage(remote, self.storage_options) if remote else None
 
-        self._tier = LocalTier(self.root)
+        self._tier = LocalTier(self.root, recycle=_env_flag("RESILIENT_RECYCLE_FILES", True))
         self._local_storage = LocalStorage(self.root)  # the same directory, seen through the storage seam
         self._tier.prepare()
         # ``_coordinator``: a caller that saves from one rank only (Lightning's CheckpointIO)

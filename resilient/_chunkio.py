@@ -174,7 +174,8 @@ def write_chunked(
     contiguous: memoryview | None = None,
     direct: bool = True,
 ) -> dict:
-    """Write ``blobs`` back to back into a new file at ``path``, fsync it, return its record.
+    """Write ``blobs`` back to back into the file at ``path`` (whatever it held before is
+    overwritten and cut off), fsync it, return its record.
 
     Encoding (checksum, compression) of up to ``lookahead`` chunks runs on ``pool`` while
     this thread writes, so memory stays bounded by ``lookahead`` encoded chunks.
@@ -188,13 +189,16 @@ def write_chunked(
     logical = stored = 0
     if contiguous is not None and sum(len(b) for b in blobs) != len(contiguous):
         raise ValueError(f"{path}: the blobs hold {sum(len(b) for b in blobs)} bytes, the buffer {len(contiguous)}")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # not truncated on open: a file already at ``path`` (a recycled one, see
+    # ``LocalTier.reuse``) is overwritten in place, then cut to the new length
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     writer: _DirectWriter | None = None
     try:
         if direct and codec_id == RAW and contiguous is not None:
             writer = _DirectWriter(path, contiguous)
         if writer is not None and writer.fd is not None:
             chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool)
+            os.ftruncate(fd, len(writer.source))
             os.fsync(fd)
             return {"bytes": len(writer.source), "chunks": chunks}
 
@@ -228,6 +232,7 @@ def write_chunked(
             chunks.append([logical, length, stored, len(view), crc, used])
             logical += length
             stored += len(view)
+        os.ftruncate(fd, stored)
         os.fsync(fd)
     finally:
         if writer is not None:

@@ -67,6 +67,13 @@ def data_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.data"
 
 
+def parse_data_file(name: str) -> int | None:
+    """The rank whose data file ``name`` is (``data_file_name``'s inverse), else None."""
+    head, sep, tail = name.partition("rank-")
+    digits = tail.removesuffix(".data")
+    return int(digits) if not head and sep and tail.endswith(".data") and digits.isdigit() else None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -9,6 +9,8 @@ Layout under ``root``::
     .trash/                  checkpoints being deleted (rename first, so a crash mid-delete
                              never leaves a half-deleted step that still looks committed;
                              emptied on a thread of its own, see ``_TrashCollector``)
+    .recycle/rank-NNNNN.data data files of deleted checkpoints, kept for the same rank's next
+                             save to overwrite in place (see ``LocalTier.reuse``)
 
 Commit protocol (leader only, after every rank's files are fsync'd): write the manifest
 into the pending directory, fsync it, rename the directory to ``step-…``, fsync ``root``.
@@ -29,7 +31,7 @@ from ._background import yield_to_training
 from ._catalog import Catalog
 from ._chunkio import fsync_dir
 from ._errors import StorageError
-from ._format import MANIFEST, decode_manifest, parse_step_dir, step_dir_name
+from ._format import MANIFEST, decode_manifest, parse_data_file, parse_step_dir, step_dir_name
 from ._storage import LocalStorage
 
 __all__ = ["LocalTier"]
@@ -39,11 +41,26 @@ log = logging.getLogger("resilient")
 _PENDING = ".pending"
 _TRASH = ".trash"
 _REPLACED = ".replaced"  # trash name suffix of a step copy set aside by ``install``
+_RECYCLE = ".recycle"
+_RECYCLING = ".recycling"  # trash name suffix of a step whose data files are being set aside
 
 
 class LocalTier:
-    def __init__(self, root: str) -> None:
+    """``recycle``: a deleted checkpoint's data files are kept (one per rank name) for the
+    next save to overwrite in place, instead of being freed and allocated again.
+
+    Why: writing into blocks a file already owns skips the file system's allocation and
+    extent conversion at fsync, and on thin-provisioned or ``discard``-mounted disks the
+    device's own allocation. Measured here (ext4 with ``discard`` on a virtual disk, 2 GB,
+    direct I/O, fsync'd): 0.70-0.79 s into a new file, 0.34-0.39 s over an existing one.
+    The disk holds no more at its peak than without it: a save always writes its files
+    while the previous checkpoint is still kept; the difference is that the space stays
+    taken between saves. Databases recycle their log files for the same reason.
+    """
+
+    def __init__(self, root: str, recycle: bool = True) -> None:
         self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        self.recycle = recycle
         # bad-step markers are kept the same way on every tier (see Catalog.bad_steps)
         self.markers = Catalog(LocalStorage(self.root))
         self._trash = _TrashCollector(self.root)
@@ -90,7 +107,7 @@ class LocalTier:
         back a replaced step whose new copy never arrived)."""
         self.put_back_replaced()  # never delete a set-aside copy whose replacement is missing
         removed = []
-        for sub in (_PENDING, _TRASH):
+        for sub in (_PENDING, _TRASH, _RECYCLE):  # recycled files too: ranks may differ from the last run's
             base = os.path.join(self.root, sub)
             if not os.path.isdir(base):
                 continue
@@ -110,6 +127,18 @@ class LocalTier:
 
     def discard(self, pending: str) -> None:
         shutil.rmtree(pending, ignore_errors=True)
+
+    def reuse(self, path: str) -> bool:
+        """Move the recycled file of ``path``'s name (a rank's data file) to ``path``, for the
+        writer to overwrite and truncate; whether there was one. The file belongs to a step
+        already deleted, so no reader can find it (an open one sees its checksums fail)."""
+        if not self.recycle:
+            return False
+        try:
+            os.rename(os.path.join(self.root, _RECYCLE, os.path.basename(path)), path)
+        except OSError:
+            return False
+        return True
 
     def commit(self, pending: str, step: int, manifest: bytes) -> None:
         tmp = os.path.join(pending, MANIFEST + ".tmp")
@@ -162,15 +191,38 @@ class LocalTier:
 
     # -- deleting ---------------------------------------------------------------------------
     def delete(self, step: int) -> None:
-        self._to_trash(self.step_dir(step))
+        # first: the step stops being committed at once; under a name the trash thread
+        # leaves alone until its data files are set aside
+        gone = self._to_trash(self.step_dir(step), _RECYCLING if self.recycle else ".deleted")
         self.markers.clear_bad(step)
+        if self.recycle:
+            try:
+                self._keep_data_files(gone)
+            finally:
+                os.rename(gone, gone.replace(_RECYCLING, ".deleted"))
         self._empty_trash()
 
-    def _to_trash(self, path: str, why: str = ".deleted") -> None:
+    def _keep_data_files(self, deleted: str) -> None:
+        """Move a deleted step's data files from the trash to ``.recycle`` (where a file of
+        the same rank name waits already, the new one goes with the trash: one per name)."""
+        recycle = os.path.join(self.root, _RECYCLE)
+        os.makedirs(recycle, exist_ok=True)
+        try:
+            names = [n for n in os.listdir(deleted) if parse_data_file(n) is not None]
+        except OSError:
+            return
+        for name in names:
+            target = os.path.join(recycle, name)
+            if not os.path.exists(target):
+                os.rename(os.path.join(deleted, name), target)
+
+    def _to_trash(self, path: str, why: str = ".deleted") -> str:
         trash = os.path.join(self.root, _TRASH)
         os.makedirs(trash, exist_ok=True)
-        os.rename(path, os.path.join(trash, f"{os.path.basename(path)}{why}-{uuid.uuid4().hex[:8]}"))
+        gone = os.path.join(trash, f"{os.path.basename(path)}{why}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, gone)
         fsync_dir(self.root)
+        return gone
 
     def put_back_replaced(self) -> list[str]:
         """Copies set aside by ``install`` whose replacement never arrived (a crash between
@@ -236,6 +288,8 @@ class _TrashCollector:
         for name in names:
             step_name = _replaced_step(name)
             if step_name is not None and not os.path.exists(os.path.join(self.root, step_name)):
+                continue
+            if _RECYCLING in name:  # ``delete`` is still taking its data files out
                 continue
             _remove(os.path.join(self.trash, name))
 

@@ -216,8 +216,10 @@ class BackgroundWriter:
         if name is not None:
             base = memoryview(job.buffer.numpy())
             views = [base[start:end] for start, end in job.plan.extents()]
+            path = os.path.join(pending, name)
+            self.tier.reuse(path)  # a deleted step's file of this rank, overwritten in place if there is one
             record = write_chunked(
-                os.path.join(pending, name),
+                path,
                 views,
                 codec=self.codec,
                 chunk_bytes=self.chunk_bytes,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from resilient import Checkpointer
+from resilient._format import step_dir_name
 
 GLOBAL_BATCH = 16
 
@@ -313,9 +314,44 @@ def replicated_restore(a: dict) -> None:
     print("RESULT " + json.dumps({"rank": rank, "read": read}), flush=True)
 
 
+def _sized_state(step: int) -> dict:
+    """Replicated state whose size changes with the step: even steps hold twice the bytes."""
+    g = torch.Generator().manual_seed(step)
+    rows = 512 if step % 2 else 1024
+    return {"w": torch.randn(rows, 1000, generator=g), "b": torch.randn(333, generator=g), "meta": {"step": step}}
+
+
+def recycled_saves(a: dict) -> None:
+    """Save steps 1-4 with ``keep=1``, each after the last one's retention; print the inode of
+    this rank's data file at every step, then restore step 4 and check it exactly."""
+    rank, world = init()
+    name = f"rank-{rank:05d}.data"
+    inodes = {}
+    with Checkpointer(a["root"], keep=1, chunk_bytes=1 << 20) as ckpt:
+        for step in (1, 2, 3, 4):
+            if step > 2:  # the step before last was deleted: wait for its file to be set aside
+                deadline = time.monotonic() + 20
+                while not os.path.exists(os.path.join(a["root"], ".recycle", name)):
+                    assert time.monotonic() < deadline, f"{name} never reached .recycle"
+                    time.sleep(0.02)
+            ckpt.save(step, _sized_state(step), force=True)
+            ckpt.wait()
+            inodes[step] = os.stat(os.path.join(a["root"], step_dir_name(step), name)).st_ino
+            if dist.is_initialized():
+                dist.barrier()
+    expected = _sized_state(4)
+    target = {"w": torch.zeros_like(expected["w"]), "b": torch.zeros_like(expected["b"]), "meta": {}}
+    with Checkpointer(a["root"]) as ckpt:
+        assert ckpt.restore(target) == 4
+    assert torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"]), "restore differs"
+    assert target["meta"] == {"step": 4}
+    print("INODES " + json.dumps(inodes), flush=True)
+
+
 SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore,
-                                     stateful_dataloader_per_rank, replicated_save, replicated_restore)}
+                                     stateful_dataloader_per_rank, replicated_save, replicated_restore,
+                                     recycled_saves)}
 
 def finish_scenario() -> None:
     """End a scenario process: barrier, tear down the group, exit without interpreter teardown.
