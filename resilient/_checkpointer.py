@@ -302,7 +302,8 @@ class Checkpointer:
                 claimed = True
                 live = live_sessions(self._tier.root)  # this process's saves in flight are not leftovers
                 for path in self._tier.clean_leftovers(keep_sessions=live):
-                    log.info("resilient: removed leftover of an uncommitted save: %s", path)
+                    log.info("resilient: removed what an earlier run left (an uncommitted save, a deletion, a "
+                             "recycled file): %s", path)
             except StorageError as exc:
                 refused = exc
         self._claimed = claimed
