@@ -199,7 +199,8 @@ class LocalTier:
             try:
                 self._keep_data_files(gone)
             finally:
-                os.rename(gone, os.path.join(os.path.dirname(gone), os.path.basename(gone).replace(_RECYCLING, ".deleted")))
+                trash, name = os.path.split(gone)
+                os.rename(gone, os.path.join(trash, name.replace(_RECYCLING, ".deleted")))
         self._empty_trash()
 
     def _keep_data_files(self, deleted: str) -> None:
