@@ -110,6 +110,7 @@ class Method:
         self.name, self.root, self.state, self.rank, self.world, self.layout = name, root, state, rank, world, layout
         self.stager = None
         self.ckpt = None
+        self.phases: list[dict[str, float]] = []  # resilient's, per save: where its time to durable went
         if name in RESILIENT:
             from resilient import Checkpointer
 
@@ -133,7 +134,9 @@ class Method:
             stall = time.perf_counter() - t0
             on_staged()
             handle.result()
-            return stall, time.perf_counter() - t0
+            durable = time.perf_counter() - t0
+            self.phases.append(handle.phases)
+            return stall, durable
         if self.name == "torch.save":
             if self.layout == "replicated" and self.rank != 0:
                 return 0.0, 0.0
@@ -385,6 +388,7 @@ def worker(args: dict[str, Any]) -> None:
             records.append({"round": rnd, "method": name, "stall": stalls, "durable": durables, "restore": [],
                             "memcpy_near_s": memcpy_near, "writes_near_s": writes_near,
                             "rss_extra": rss.extra, "slowdown": slowdown, "settled_s": settled,
+                            "phases": method.phases[WARM_UP_SAVES:WARM_UP_SAVES + args["saves"]],
                             "slowdown_from_call": slowdown_from_call})
             method = None  # drop its buffers before the next method allocates its own
             gc.collect()
@@ -526,6 +530,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
             runs.append({"round": rnd, **worst, "samples": samples, "memcpy_local_s": memcpy_near,
                          "write_s": write_near, "round_memcpy_local_s": memcpy[rnd], "round_write_s": lim["write_s"],
                          "writes_near_s": mine[0]["writes_near_s"], "read_s": lim["read_s"],
+                         "phases": [x.get("phases", []) for x in mine],  # each rank's, per sample (resilient)
                          "stall_x_memcpy": worst["stall"] / memcpy_near, "write_frac": write_near / worst["durable"],
                          # every rank restores at once from one disk: the checkpoint's bytes are
                          # read from it once (replicas share the page cache or a broadcast)

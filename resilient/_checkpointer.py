@@ -455,7 +455,8 @@ class Checkpointer:
             self._replicate(handle.step)
         took = round((handle.committed_at or 0.0) - handle.started, 6)
         if handle.committed:
-            self._events.emit("save_committed", step=handle.step, tier="local", seconds=took, bytes=handle.nbytes)
+            self._events.emit("save_committed", step=handle.step, tier="local", seconds=took, bytes=handle.nbytes,
+                              phases=handle.phases)
         else:
             self._events.emit("save_failed", step=handle.step, seconds=took, error=str(handle._error))
 

@@ -50,6 +50,9 @@ class SaveHandle:
         self.committed_at: float | None = None
         self.nbytes = 0
         self.deferred_bytes = 0  # of nbytes, copied after save returned (overlapped staging)
+        # seconds from the call to the end of each background phase ("copied", "written",
+        # and on a leader "reports" and "manifest"): which part of a slow save was slow
+        self.phases: dict[str, float] = {}
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._on_settle = on_settle
@@ -67,6 +70,9 @@ class SaveHandle:
             raise TimeoutError(f"save of step {self.step} not committed within {timeout} s")
         if self._error is not None:
             raise self._error
+
+    def _mark(self, phase: str) -> None:
+        self.phases[phase] = round(time.perf_counter() - self.started, 6)
 
     def _settle(self, error: BaseException | None) -> None:
         self._error = error
@@ -211,6 +217,7 @@ class BackgroundWriter:
     def _write_rank_file(self, job: SaveJob, pending: str) -> dict[str, Any]:
         rank = self.coord.rank
         job.snapshot.wait()  # raises if the snapshot failed or was torn: this rank's report is then an error
+        job.handle._mark("copied")
         name = data_file_name(rank) if job.buffer.numel() else None
         record = None
         if name is not None:
@@ -228,6 +235,7 @@ class BackgroundWriter:
                 direct=self.direct_io,
             )
             fsync_dir(pending)
+        job.handle._mark("written")
         return {
             "rank": rank,
             "file": name,
@@ -265,10 +273,12 @@ class BackgroundWriter:
         failures: dict[int, str] = {}
         try:
             raws = self._collect(job, [f"{seq}/report/{r}" for r in range(coord.world_size)], "every rank's files")
+            job.handle._mark("reports")
             manifest = assemble_manifest(job.step, [json.loads(r) for r in raws], self.codec)
             if self.authorize is not None:
                 self.authorize(job.step)
             self.tier.commit(pending, job.step, encode_manifest(manifest))
+            job.handle._mark("manifest")
         except CommitError as exc:
             failures = exc.failures
         except Exception as exc:

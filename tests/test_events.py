@@ -67,3 +67,10 @@ def test_every_rank_appends_whole_lines_to_one_file(tmp_path):
     assert {e["rank"] for e in events} == {0, 1}
     committed = {(e["rank"], e["step"]) for e in events if e["event"] == "save_committed"}
     assert committed == {(r, s) for r in (0, 1) for s in range(2, 13, 2)}
+    for e in (e for e in events if e["event"] == "save_committed"):
+        phases = e["phases"]  # where each save's time to committed went, in the order it passes
+        assert 0 < phases["copied"] <= phases["written"] <= e["seconds"], e
+        if e["rank"] == 0:  # the one storage location's leader assembles the manifest
+            assert phases["written"] <= phases["reports"] <= phases["manifest"] <= e["seconds"], e
+        else:
+            assert "reports" not in phases and "manifest" not in phases, e
