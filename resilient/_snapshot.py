@@ -18,10 +18,11 @@ from typing import Any, Callable
 
 import torch
 
-from ._chunkio import DIRECT_ALIGN, crc32
+from ._chunkio import crc32
 from ._errors import UnsupportedStateError
 from ._fence import CopyThread, StagingFence, register
 from ._format import dtype_from_name, dtype_name
+from ._hostmem import page_aligned_empty
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
 __all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view"]
@@ -304,14 +305,6 @@ def copy_ranges(length: int) -> list[tuple[int, int]]:
     grain = BLOB_ALIGN * max(1, torch.get_num_threads())
     bulk = length - length % grain
     return [(lo, hi) for lo, hi in ((0, bulk), (bulk, length)) if hi > lo]
-
-
-def page_aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
-    """A uint8 buffer starting on a page boundary, so the writer can hand it to the device
-    with direct I/O (``_chunkio.DIRECT_ALIGN``); torch's host allocator aligns to 64 bytes."""
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % DIRECT_ALIGN
-    return raw[skip : skip + nbytes]
 
 
 class Staging:

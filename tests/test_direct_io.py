@@ -16,7 +16,7 @@ import torch
 from resilient import Checkpointer
 from resilient import _chunkio
 from resilient._chunkio import DIRECT_ALIGN, ChunkedFile, write_chunked
-from resilient._snapshot import page_aligned_empty
+from resilient._hostmem import page_aligned_empty
 
 pytestmark = pytest.mark.timeout(60)
 
