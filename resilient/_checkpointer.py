@@ -793,10 +793,12 @@ class Checkpointer:
                 log.warning("resilient: old checkpoints still being deleted at close; the next start finishes it")
             self._release_root()
 
-    def abandon(self) -> None:
+    def abandon(self, wait: float = 0.0) -> None:
         """Stop at once after a failure of the gang: in-flight saves need peers that may be
         gone and are left uncommitted (the next Checkpointer on this root removes their
-        leftovers); the background threads are daemons and wind down on their own."""
+        leftovers); the background threads are daemons and wind down on their own.
+        ``wait``: seconds to let the writer finish the save in hand first (a caller about
+        to delete the root must not race it)."""
         if self._closed:
             return
         self._closed = True
@@ -805,7 +807,7 @@ class Checkpointer:
         if self._uploader is not None:
             self._uploader.close(wait=False)
         self._events.close()
-        self._writer.stop(timeout=0)
+        self._writer.stop(timeout=wait)
         self._read_pool.shutdown(wait=False)
         self._release_root()
 

@@ -111,12 +111,12 @@ class ResilientCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         path = os.path.abspath(os.fspath(path))
         ckpt = self._open.pop(path, None)
-        if ckpt is not None:
-            ckpt.abandon()
+        if ckpt is not None:  # its writer may still be moving files under ``path``
+            ckpt.abandon(wait=ckpt.commit_timeout)
         if os.path.islink(path) or os.path.isfile(path):
             os.remove(path)
         elif os.path.isdir(path):
-            shutil.rmtree(path)
+            shutil.rmtree(path, onerror=_unless_vanished)
 
     def teardown(self) -> None:
         """Commit (and drain to ``remote``) every save still in flight."""
@@ -149,3 +149,10 @@ def _move(value: Any, device: torch.device) -> Any:
         moved = [_move(v, device) for v in value]
         return moved if isinstance(value, list) else tuple(moved)
     return value
+
+
+def _unless_vanished(func: Any, path: str, exc_info: Any) -> None:
+    """rmtree's error hook: an entry another thread removed first (the retention's trash
+    collector, a pending save's clean-up) is gone either way."""
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]

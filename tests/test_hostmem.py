@@ -53,11 +53,9 @@ def test_large_buffers_start_on_a_huge_page_and_hold_every_byte():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not thp_possible(), reason="needs Linux with THP")
 def test_large_buffers_are_advised_as_huge_pages_before_first_touch():
-    small = page_aligned_empty(64 << 10, pin=False)
     large = page_aligned_empty(64 << 20, pin=False)
     assert "hg" in vm_flags(large.data_ptr()), "the staging buffer was not advised as huge pages"
     assert "hg" in vm_flags(large.data_ptr() + large.numel() - 1)
-    assert "hg" not in vm_flags(small.data_ptr()), "a buffer under a huge page was advised"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not thp_possible(), reason="needs Linux with THP")
