@@ -115,17 +115,27 @@ def _stamped(block: torch.Tensor, index: int) -> memoryview:
 
 
 def write_file(path: str, nbytes: int, block: int = 64 << 20, direct: bool = False,
-               data: torch.Tensor | None = None) -> float:
+               data: torch.Tensor | None = None, in_place: bool = False) -> float:
     """Write ``nbytes`` of random bytes sequentially and fsync; the seconds it took. ``direct``:
     with direct I/O (page cache bypassed; whole pages only), or inf where the file system
     refuses it. The disk's write limit is the faster of the two: the writer uses direct I/O
     where it can. ``data``: a block from ``probe_block`` made beforehand, so that a probe
-    taken while a method's peak RSS is sampled does not count its own block."""
+    taken while a method's peak RSS is sampled does not count its own block. ``in_place``:
+    overwrite the first ``nbytes`` of an existing file of at least that size, as a recycled
+    checkpoint file is written (no blocks to allocate), instead of a new file."""
     data = probe_block(block) if data is None else data
     block = data.numel()
+    flags = os.O_WRONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    if in_place:
+        size = os.path.getsize(path)
+        if size < nbytes:
+            raise ValueError(f"{path}: an overwrite in place of {nbytes} bytes needs a file that large, "
+                             f"it holds {size}")
+    else:
+        flags |= os.O_CREAT | os.O_TRUNC
+    first = int.from_bytes(os.urandom(3), "little") << 6  # fresh stamps: an overwrite never rewrites a page's bytes
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (getattr(os, "O_DIRECT", 0) if direct else 0),
-                     0o644)
+        fd = os.open(path, flags, 0o644)
     except OSError:
         return float("inf")
     t = time.perf_counter()
@@ -133,7 +143,8 @@ def write_file(path: str, nbytes: int, block: int = 64 << 20, direct: bool = Fal
         done = 0
         while done < nbytes:
             n = min(block, nbytes - done)
-            done += os.pwrite(fd, _stamped(data, done // block)[: n - n % 4096 or 4096 if direct else n], done)
+            stamped = _stamped(data, first + done // block)
+            done += os.pwrite(fd, stamped[: n - n % 4096 or 4096 if direct else n], done)
         os.fsync(fd)
     except OSError:
         if not direct:
