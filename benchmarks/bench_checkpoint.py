@@ -535,6 +535,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
             mine = [x for pr in per_rank for x in pr if x.get("method") == name and x.get("round") == rnd]
             samples = {k: _slowest(mine, k) for k in ("stall", "durable", "restore")}
             worst = {k: med(v) for k, v in samples.items()}
+            writing = _write_phase(mine)
             worst["rss_extra"] = max(x["rss_extra"] for x in mine)
             worst["settled_s"] = max(x.get("settled_s", 0.0) for x in mine)  # waited before the turn
             memcpy_near, write_near = _near_limits(mine)
@@ -546,12 +547,16 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
                          "stall_x_memcpy": worst["stall"] / memcpy_near, "write_frac": write_near / worst["durable"],
                          # every rank restores at once from one disk: the checkpoint's bytes are
                          # read from it once (replicas share the page cache or a broadcast)
-                         "restore_frac": lim["read_s"] / worst["restore"]})
+                         "restore_frac": lim["read_s"] / worst["restore"],
+                         # resilient's: its background write alone, without the stall's copy
+                         "write_phase_s": writing, "write_phase_frac": write_near / writing if writing else None})
         slowdown = {k: [x[k] for x in rank0 if x.get("method") == name and x.get(k)]
                     for k in ("slowdown", "slowdown_from_call")}
         row = {"gb": gb, "world": world, "layout": layout, "method": name, "rounds": len(runs),
                **{k: med(r[k] for r in runs) for k in ("stall", "durable", "restore", "stall_x_memcpy",
                                                        "write_frac", "restore_frac")},
+               **{k: med(r[k] for r in runs) if all(r[k] for r in runs) else None
+                  for k in ("write_phase_s", "write_phase_frac")},
                "near_gbps": {"memcpy": med(local_gb / r["memcpy_local_s"] for r in runs),
                              "write": med(nbytes / GB / r["write_s"] for r in runs),
                              "write_new_file": med(nbytes / GB / r["write_new_file_s"] for r in runs)},
@@ -577,6 +582,17 @@ def _near_limits(records: list[dict[str, Any]], kinds: tuple[str, ...] = ("direc
     writes = records[0]["writes_near_s"]
     return (max(x["memcpy_near_s"] for x in records),
             min(statistics.median(v) for k, v in writes.items() if v and k in kinds))
+
+
+def _write_phase(records: list[dict[str, Any]]) -> float | None:
+    """Median over samples of the slowest rank's background write (phase ``copied`` to
+    ``written``: its file written and fsync'd), or None for a method without phases. Why
+    apart from the commit time: that counts from the call, so it includes the stall's copy
+    of the state, which a write probe does not do."""
+    per_rank = [x.get("phases") or [] for x in records]
+    if not all(per_rank):
+        return None
+    return statistics.median(max(p["written"] - p["copied"] for p in sample) for sample in zip(*per_rank))
 
 
 def _slowest(records: list[dict[str, Any]], key: str) -> list[float]:
@@ -608,9 +624,16 @@ def _fits(method: str, gb: float, world: int, layout: str) -> bool:
     return need * GB < 0.8 * psutil.virtual_memory().total
 
 
+def _write_part(r: dict[str, Any]) -> str:
+    """The background write alone, where the method times it (resilient)."""
+    if not r.get("write_phase_s"):
+        return ""
+    return f"; its write {r['write_phase_s']:.2f} s ({r['write_phase_frac'] * 100:.0f}%)"
+
+
 def _row(r: dict[str, Any], slowdown: bool = True) -> str:
     cells = (f"| {r['gb']:g} GB | {r['world']} | {r['layout']} | {r['method']} | {r['stall']:.3f} s "
-             f"({r['stall_x_memcpy']:.2f}×) | {r['durable']:.2f} s ({r['write_frac'] * 100:.0f}%) | "
+             f"({r['stall_x_memcpy']:.2f}×) | {r['durable']:.2f} s ({r['write_frac'] * 100:.0f}%){_write_part(r)} | "
              f"{r['restore']:.2f} s ({r['restore_frac'] * 100:.0f}%) | {r['rss_extra'] / GB:.2f} GB |")
     if not slowdown:
         return cells
