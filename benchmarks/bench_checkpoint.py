@@ -364,7 +364,7 @@ def worker(args: dict[str, Any]) -> None:
             memcpy_near = memcpy_seconds(nbytes, sync=_barrier)  # seconds before this method's first save
             settled = settle_memory()  # and the probe's
             _barrier()
-            writes_near: dict[str, list[float]] = {"direct": [], "in_place": [], "buffered": []}
+            writes_near: dict[str, list[float]] = {kind: [] for kind in WRITE_KINDS}
 
             def probe_write(kind: str) -> None:
                 """fsync'd writes of the checkpoint's size, in the gap before each save
@@ -539,9 +539,9 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
             worst["rss_extra"] = max(x["rss_extra"] for x in mine)
             worst["settled_s"] = max(x.get("settled_s", 0.0) for x in mine)  # waited before the turn
             memcpy_near, write_near = _near_limits(mine)
-            write_new_file = _near_limits(mine, ("direct", "buffered"))[1]
             runs.append({"round": rnd, **worst, "samples": samples, "memcpy_local_s": memcpy_near,
-                         "write_s": write_near, "write_new_file_s": write_new_file, "round_memcpy_local_s": memcpy[rnd], "round_write_s": lim["write_s"],
+                         "write_s": write_near, "write_new_file_s": _write_limit(mine, NEW_FILE_KINDS),
+                         "round_memcpy_local_s": memcpy[rnd], "round_write_s": lim["write_s"],
                          "writes_near_s": mine[0]["writes_near_s"], "read_s": lim["read_s"],
                          "phases": [x.get("phases", []) for x in mine],  # each rank's, per sample (resilient)
                          "stall_x_memcpy": worst["stall"] / memcpy_near, "write_frac": write_near / worst["durable"],
@@ -573,15 +573,24 @@ def summarize(per_rank: list[list[dict[str, Any]]], gb: float, world: int, layou
     return rows
 
 
-def _near_limits(records: list[dict[str, Any]], kinds: tuple[str, ...] = ("direct", "in_place", "buffered")
-                 ) -> tuple[float, float]:
+#: the kinds of fsync'd write probed in a method's turn (``_probe_write``), and those that
+#: write a new file, as the limit was probed until December 2026
+WRITE_KINDS = ("direct", "in_place", "buffered")
+NEW_FILE_KINDS = ("direct", "buffered")
+
+
+def _near_limits(records: list[dict[str, Any]]) -> tuple[float, float]:
     """(memcpy, write) seconds probed within the method's own turn: the memcpy of every rank
-    at once just before its first save (the slowest rank's), and the fastest of ``kinds`` of
-    fsync'd write by its median over the probes between and after its saves (rank 0 writes
-    them; runs from before the in-place probe have none of that kind)."""
+    at once just before its first save (the slowest rank's), and the write limit."""
+    return max(x["memcpy_near_s"] for x in records), _write_limit(records, WRITE_KINDS)
+
+
+def _write_limit(records: list[dict[str, Any]], kinds: tuple[str, ...]) -> float:
+    """The fastest of ``kinds`` of fsync'd write by its median over the probes between and
+    after the method's saves (rank 0 writes them; runs from before the in-place probe have
+    none of that kind)."""
     writes = records[0]["writes_near_s"]
-    return (max(x["memcpy_near_s"] for x in records),
-            min(statistics.median(v) for k, v in writes.items() if v and k in kinds))
+    return min(statistics.median(v) for k, v in writes.items() if v and k in kinds)
 
 
 def _write_phase(records: list[dict[str, Any]]) -> float | None:
