@@ -12,7 +12,9 @@ and reports:
 - ``stall``: time inside the save call (the training thread is held);
 - ``gate``: time the next optimizer step waited for the copy (resilient's fence; for DCP,
   ``staging_completion``, which training must wait for before it writes the state);
-- ``next step``: the step right after the save, against a step without one.
+- ``next step``: the step right after the save, against a step without one;
+- ``durable``: from the call until the checkpoint is on disk (resilient: committed; DCP:
+  its upload future done), the step after the save running meanwhile.
 
 The limit is measured in the same run: the device-to-host copy of the whole state into
 pinned memory (``d2h``; on the CPU a memcpy). Target: stall ≤ 0.1 × d2h.
@@ -108,7 +110,7 @@ def measure(method: str, root: str, params: torch.nn.ParameterList, optim: torch
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         stager = DefaultStager(StagingOptions(device == "cuda", False, True, device == "cuda"))
-    stalls, gates, nexts = [], [], []
+    stalls, gates, nexts, durables = [], [], [], []
     for i in range(1 + repeats):  # the first save is a warm-up (buffers, threads)
         step()
         _sync(device)
@@ -120,12 +122,15 @@ def measure(method: str, root: str, params: torch.nn.ParameterList, optim: torch
             nxt = timed(step, device)
             gate = ckpt.stats["staging_wait_s"] - waited
             handle.result()
+            durable = handle.committed_at - t0
         else:
             import torch.distributed.checkpoint as dcp
 
             response = dcp.async_save(state_dict_of(params, optim), checkpoint_id=os.path.join(root, f"s{i}"),
                                       async_stager=stager)
             stall = time.perf_counter() - t0
+            uploaded: list[float] = []  # stamped by the thread that completes the upload
+            response.upload_completion.add_done_callback(lambda _: uploaded.append(time.perf_counter()))
 
             def gated_step() -> float:
                 g = time.perf_counter()
@@ -138,17 +143,20 @@ def measure(method: str, root: str, params: torch.nn.ParameterList, optim: torch
             _sync(device)
             nxt = time.perf_counter() - t1
             response.upload_completion.result()
+            durable = uploaded[0] - t0
             shutil.rmtree(os.path.join(root, f"s{i}"), ignore_errors=True)
         if i:
             stalls.append(stall)
             gates.append(gate)
             nexts.append(nxt)
+            durables.append(durable)
     if ckpt is not None:
         ckpt.close()
     if stager is not None:
         stager.close()
     shutil.rmtree(root, ignore_errors=True)
-    return {"stall": statistics.median(stalls), "gate": statistics.median(gates), "next": statistics.median(nexts)}
+    return {"stall": statistics.median(stalls), "gate": statistics.median(gates), "next": statistics.median(nexts),
+            "durable": statistics.median(durables)}
 
 
 def state_dict_of(params: torch.nn.ParameterList, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -170,8 +178,8 @@ def main() -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if a.device == "cuda" else "gloo", rank=0, world_size=1)
     base = a.dir or tempfile.mkdtemp(prefix="resilient-staging-")
     rows = []
-    print("| state | method | stall | stall ÷ d2h | next optimizer step waited | next step ÷ plain step |")
-    print("|---|---|---|---|---|---|")
+    print("| state | method | stall | stall ÷ d2h | next optimizer step waited | next step ÷ plain step | durable |")
+    print("|---|---|---|---|---|---|---|")
     for gb in [float(s) for s in a.sizes.split(",")]:
         params, optim = build(gb, a.device)
         step = make_step(params, optim, a.device, a.compute)
@@ -179,14 +187,14 @@ def main() -> None:
             step()
         d2h = d2h_seconds(optim, a.device)
         plain = statistics.median(timed(step, a.device) for _ in range(5))
-        print(f"| {gb:g} GB | (limit) d2h copy of the state | {d2h:.3f} s | 1 | – | plain step {plain:.3f} s |",
+        print(f"| {gb:g} GB | (limit) d2h copy of the state | {d2h:.3f} s | 1 | – | plain step {plain:.3f} s | – |",
               flush=True)
         for method in a.methods.split(","):
             r = measure(method, os.path.join(base, method.replace(":", "-").replace("+", "_")), params, optim,
                         step, a.device, a.repeats)
             rows.append({"gb": gb, "device": a.device, "method": method, "d2h": d2h, "plain_step": plain, **r})
             print(f"| {gb:g} GB | {method} | {r['stall']:.4f} s | {r['stall'] / d2h:.3f} | {r['gate']:.3f} s | "
-                  f"{r['next'] / plain:.2f} |", flush=True)
+                  f"{r['next'] / plain:.2f} | {r['durable']:.3f} s |", flush=True)
         del params, optim, step
         if a.device == "cuda":
             torch.cuda.empty_cache()

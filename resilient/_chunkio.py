@@ -163,6 +163,14 @@ def _split(blobs: Iterable[memoryview], chunk_bytes: int) -> Iterable[memoryview
             yield blob[start : start + chunk_bytes]
 
 
+def _split_with_ends(blobs: Iterable[memoryview], chunk_bytes: int) -> Iterable[tuple[memoryview, int]]:
+    """``_split``'s chunks, each with where it ends in the blobs' bytes back to back."""
+    end = 0
+    for piece in _split(blobs, chunk_bytes):
+        end += len(piece)
+        yield piece, end
+
+
 def write_chunked(
     path: str,
     blobs: Sequence[memoryview],
@@ -173,6 +181,7 @@ def write_chunked(
     lookahead: int = 4,
     contiguous: memoryview | None = None,
     direct: bool = True,
+    ready: Callable[[int], None] | None = None,
 ) -> dict:
     """Write ``blobs`` back to back into the file at ``path`` (whatever it held before is
     overwritten and cut off), fsync it, return its record.
@@ -183,7 +192,10 @@ def write_chunked(
     file is then written from it with direct I/O in large writes, checksummed meanwhile
     (see ``_DirectWriter`` and ``DIRECT_WRITE_BYTES``), unless ``direct`` is False: a
     buffered write leaves the file in the page cache, for a restart on this node.
+    ``ready(end)``: called before any of the first ``end`` bytes of the blobs (back to back)
+    is read, and returns once they are final: the blobs may still be being filled.
     """
+    await_bytes = ready or (lambda end: None)
     codec_id = CODECS[codec]
     chunks: list[list[int]] = []
     logical = stored = 0
@@ -197,24 +209,25 @@ def write_chunked(
         if direct and codec_id == RAW and contiguous is not None:
             writer = _DirectWriter(path, contiguous)
         if writer is not None and writer.fd is not None:
-            chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool)
+            chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool, await_bytes)
             os.ftruncate(fd, len(writer.source))
             os.fsync(fd)
             return {"bytes": len(writer.source), "chunks": chunks}
 
-        def encode(data: memoryview) -> tuple[memoryview | bytes, int, int]:
+        def encode(data: memoryview, end: int) -> tuple[memoryview | bytes, int, int]:
+            await_bytes(end)
             payload, used = _encode(data, codec_id)
             return payload, used, crc32(payload)
 
         pending: list = []
-        pieces = iter(_split(blobs, chunk_bytes))
+        pieces = iter(_split_with_ends(blobs, chunk_bytes))
 
         def refill() -> None:
             while len(pending) < lookahead:
-                piece = next(pieces, None)
+                piece, end = next(pieces, (None, 0))
                 if piece is None:
                     return
-                pending.append((len(piece), pool.submit(encode, piece)))
+                pending.append((len(piece), pool.submit(encode, piece, end)))
 
         refill()
         while pending:
@@ -249,12 +262,18 @@ DIRECT_WRITE_BYTES = 64 << 20
 
 
 def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview], chunk_bytes: int,
-                      pool: Executor) -> list[list[int]]:
+                      pool: Executor, await_bytes: Callable[[int], None]) -> list[list[int]]:
     """Raw chunks, written from the buffer in large direct writes while ``pool`` checksums
     them: what is stored is the buffer's own bytes, so the checksum need not come first."""
-    crcs = [pool.submit(crc32, piece) for piece in _split(blobs, chunk_bytes)]
+
+    def checksum(piece: memoryview, end: int) -> int:
+        await_bytes(end)
+        return crc32(piece)
+
+    crcs = [pool.submit(checksum, piece, end) for piece, end in _split_with_ends(blobs, chunk_bytes)]
     total = len(writer.source)
     for end in range(DIRECT_WRITE_BYTES, total + DIRECT_WRITE_BYTES, DIRECT_WRITE_BYTES):
+        await_bytes(min(end, total))
         writer.advance(min(end, total), fd, final=end >= total)
     chunks, offset = [], 0
     for piece, crc in zip(_split(blobs, chunk_bytes), crcs):

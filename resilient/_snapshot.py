@@ -20,7 +20,7 @@ import torch
 
 from ._chunkio import crc32
 from ._errors import UnsupportedStateError
-from ._fence import CopyThread, StagingFence, register
+from ._fence import CopyProgress, CopyThread, StagingFence, register
 from ._format import dtype_from_name, dtype_name
 from ._hostmem import page_aligned_empty
 from ._layout import Box, replicated_slices, shard_box, sharding_order
@@ -358,8 +358,12 @@ class Staging:
         self._zero_gaps(buffer, plan)
         now = [blob for blob in plan.blobs if blob.name not in deferred]
         later = [blob for blob in plan.blobs if blob.name in deferred]
-        fence = StagingFence([(name, tensors[name]) for name in sorted({b.name for b in later})], on_wait) \
-            if later or pin else None
+        # copy order: on CUDA everything goes on the side stream, ``now`` first; on the CPU
+        # ``now`` is final when this returns and the copy thread does ``later``
+        order = [(blob.offset, place) for place, blob in enumerate(now + later)] if pin else \
+            [(blob.offset, -1) for blob in now] + [(blob.offset, place) for place, blob in enumerate(later)]
+        fence = StagingFence([(name, tensors[name]) for name in sorted({b.name for b in later})], on_wait,
+                             CopyProgress(order)) if later or pin else None
         if fence is not None and later:
             register(fence)  # before the copy starts: the writer forgets it once complete
         with torch.no_grad():
@@ -372,7 +376,8 @@ class Staging:
                         error = None
                         try:
                             with torch.no_grad():
-                                self._copy(buffer, tensors, later, non_blocking=False)
+                                self._copy(buffer, tensors, later, non_blocking=False,
+                                           on_blob=lambda place, blob: fence.progress.copied(place + 1))
                         except BaseException as exc:  # noqa: BLE001 - the fence reports it to the writer
                             error = exc
                         fence.cpu_copied(error)
@@ -380,11 +385,15 @@ class Staging:
         return fence
 
     @staticmethod
-    def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[Blob], non_blocking: bool) -> None:
-        for blob in blobs:
+    def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[Blob], non_blocking: bool,
+              on_blob: Callable[[int, Blob], None] = lambda place, blob: None) -> None:
+        """Copy ``blobs`` in order, calling ``on_blob(place, blob)`` after each one's copy
+        (on CUDA: once it is enqueued)."""
+        for place, blob in enumerate(blobs):
             src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
             for lo, hi in copy_ranges(blob.length):
                 buffer[blob.offset + lo : blob.offset + hi].copy_(src[lo:hi], non_blocking=non_blocking)
+            on_blob(place, blob)
 
     def _stage_on_device(self, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], now: list[Blob],
                          later: list[Blob], fence: StagingFence | None) -> None:
@@ -400,14 +409,26 @@ class Staging:
                 local = tensors[name].to_local() if is_dtensor(tensors[name]) else tensors[name]
                 if local.is_cuda:
                     local.record_stream(self._stream)  # its memory is not reused before the copy ran
-            self._copy(buffer, tensors, now, non_blocking=True)
+            assert fence is not None
+            progress, since = fence.progress, [0]
+
+            def mark(place: int, blob: Blob) -> None:  # an event every EVENT_BYTES, for the writer
+                since[0] += blob.length
+                if since[0] >= CopyProgress.EVENT_BYTES:
+                    since[0] = 0
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    progress.recorded(place + 1, event)
+
+            self._copy(buffer, tensors, now, non_blocking=True, on_blob=mark)
             first = torch.cuda.Event()
             first.record(self._stream)
-            self._copy(buffer, tensors, later, non_blocking=True)
+            self._copy(buffer, tensors, later, non_blocking=True,
+                       on_blob=lambda place, blob: mark(len(now) + place, blob))
             done = torch.cuda.Event()
             done.record(self._stream)
+            progress.recorded(len(now) + len(later), done)
         training.wait_event(first)
-        assert fence is not None
         fence.cuda_recorded(done)
 
     def close(self) -> None:

@@ -50,8 +50,10 @@ class SaveHandle:
         self.committed_at: float | None = None
         self.nbytes = 0
         self.deferred_bytes = 0  # of nbytes, copied after save returned (overlapped staging)
-        # seconds from the call to the end of each background phase ("copied", "written",
-        # and on a leader "reports" and "manifest"): which part of a slow save was slow
+        # seconds from the call to the end of each background phase ("copied": the copy made
+        # inside save, "written", and on a leader "reports" and "manifest"): which part of a
+        # slow save was slow. A copy that runs on after save (overlapped staging, a GPU) is
+        # written as it comes, so it ends within "written".
         self.phases: dict[str, float] = {}
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -216,7 +218,7 @@ class BackgroundWriter:
 
     def _write_rank_file(self, job: SaveJob, pending: str) -> dict[str, Any]:
         rank = self.coord.rank
-        job.snapshot.wait()  # raises if the snapshot failed or was torn: this rank's report is then an error
+        job.snapshot.ready(0)  # the copy made in save is over; raises if it failed
         job.handle._mark("copied")
         name = data_file_name(rank) if job.buffer.numel() else None
         record = None
@@ -233,8 +235,10 @@ class BackgroundWriter:
                 pool=self._pool,
                 contiguous=base[: job.plan.nbytes],
                 direct=self.direct_io,
+                ready=job.snapshot.ready,  # a copy still running after save: written as it comes
             )
             fsync_dir(pending)
+        job.snapshot.wait()  # raises if the snapshot was torn: this rank's report is then an error
         job.handle._mark("written")
         return {
             "rank": rank,
