@@ -108,3 +108,23 @@ def test_restore_waits_for_a_copy_still_reading_the_live_tensors(root):
         assert ckpt.latest() == 2
     _holds(root, 1, expected)
     _holds(root, 2, expected_2)
+
+
+def test_a_deferred_copy_that_fails_part_way_fails_the_save_with_its_cause(root):
+    """The writer writes the copied part while the copy runs: a copy that stops part-way
+    must release it (no hang) and fail the save, leaving the previous checkpoint newest."""
+    model, optim = _build()
+    _step(model, optim, 0)
+    with Checkpointer(root, state={"model": model, "optim": optim}, staging="overlap") as ckpt:
+        ckpt.save(1)
+        ckpt.wait()
+        committed = _snapshot(model, optim)
+        held = threading.Event()
+        ckpt._staging._copier.run(held.wait)  # the copy of step 2 is queued behind this
+        ckpt.save(2)
+        model[2].weight.untyped_storage().resize_(0)  # the first layer copies, this one cannot
+        held.set()
+        with pytest.raises(CommitError, match=r"deferred copy failed: RuntimeError"):
+            ckpt.wait()
+        assert ckpt.latest() == 1
+    _holds(root, 1, committed)
