@@ -64,7 +64,9 @@ def test_what_commits_is_the_state_at_save_although_the_step_after_runs_at_once(
         _holds(root, i, expected[i])
 
 
-def test_a_write_that_is_no_optimizer_step_before_the_copy_fails_the_save(root):
+def _meddle_before_the_copy_of_step_2(root, meddle, error: str) -> None:
+    """Commit step 1, save step 2 with its copy held back, ``meddle`` with the model, let
+    the copy run: step 2 fails with ``error``, step 1 stays the newest and intact."""
     model, optim = _build()
     _step(model, optim, 0)
     with Checkpointer(root, state={"model": model, "optim": optim}, staging="overlap") as ckpt:
@@ -74,13 +76,20 @@ def test_a_write_that_is_no_optimizer_step_before_the_copy_fails_the_save(root):
         held = threading.Event()
         ckpt._staging._copier.run(held.wait)  # the copy thread is busy: the next copy is queued behind it
         ckpt.save(2)
-        with torch.no_grad():
-            model[0].weight.mul_(2)  # in place, not by an optimizer step, while its copy has not run
+        meddle(model)
         held.set()
-        with pytest.raises(CommitError, match=r"'model/0\.weight'.*written in place"):
+        with pytest.raises(CommitError, match=error):
             ckpt.wait()
         assert ckpt.latest() == 1
     _holds(root, 1, committed)
+
+
+def test_a_write_that_is_no_optimizer_step_before_the_copy_fails_the_save(root):
+    def double_in_place(model) -> None:  # not by an optimizer step, while its copy has not run
+        with torch.no_grad():
+            model[0].weight.mul_(2)
+
+    _meddle_before_the_copy_of_step_2(root, double_in_place, r"'model/0\.weight'.*written in place")
 
 
 def test_sync_and_auto_on_the_cpu_copy_everything_inside_save(root):
@@ -113,18 +122,7 @@ def test_restore_waits_for_a_copy_still_reading_the_live_tensors(root):
 def test_a_deferred_copy_that_fails_part_way_fails_the_save_with_its_cause(root):
     """The writer writes the copied part while the copy runs: a copy that stops part-way
     must release it (no hang) and fail the save, leaving the previous checkpoint newest."""
-    model, optim = _build()
-    _step(model, optim, 0)
-    with Checkpointer(root, state={"model": model, "optim": optim}, staging="overlap") as ckpt:
-        ckpt.save(1)
-        ckpt.wait()
-        committed = _snapshot(model, optim)
-        held = threading.Event()
-        ckpt._staging._copier.run(held.wait)  # the copy of step 2 is queued behind this
-        ckpt.save(2)
-        model[2].weight.untyped_storage().resize_(0)  # the first layer copies, this one cannot
-        held.set()
-        with pytest.raises(CommitError, match=r"deferred copy failed: RuntimeError"):
-            ckpt.wait()
-        assert ckpt.latest() == 1
-    _holds(root, 1, committed)
+    def free_the_last_layer(model) -> None:  # the first layer copies, this one cannot
+        model[2].weight.untyped_storage().resize_(0)
+
+    _meddle_before_the_copy_of_step_2(root, free_the_last_layer, r"deferred copy failed: RuntimeError")
