@@ -98,14 +98,32 @@ def d2h_seconds(optim: torch.optim.Optimizer, device: str) -> float:
     return statistics.median(times)
 
 
+def checkpoints_on_disk(method: str) -> int:
+    """How many checkpoints a method holds on disk at its peak: resilient keeps the last
+    committed one while it writes the next; this script deletes DCP's after each save."""
+    return 2 if method.startswith("resilient") else 1
+
+
+def disk_room(base: str, state_bytes: int, method: str) -> str:
+    """``"full"``: room for the method's peak; ``"one"``: for one checkpoint only (resilient
+    then keeps none: this script deletes each committed step before the next save, so its
+    files are written new instead of recycled); ``"none"``."""
+    free = shutil.disk_usage(base).free
+    margin = 1.05  # manifests, file-system overhead
+    if free >= checkpoints_on_disk(method) * state_bytes * margin:
+        return "full"
+    return "one" if free >= state_bytes * margin else "none"
+
+
 def measure(method: str, root: str, params: torch.nn.ParameterList, optim: torch.optim.Optimizer,
-            step: Callable[[], None], device: str, repeats: int) -> dict[str, float]:
+            step: Callable[[], None], device: str, repeats: int, room: str = "full") -> dict[str, float]:
     from resilient import Checkpointer
+    from resilient._format import step_dir_name
 
     state = {"model": params, "optim": optim}
     ckpt = stager = None
     if method.startswith("resilient"):
-        ckpt = Checkpointer(root, keep=1, rng=False, staging=method.split(":")[1])
+        ckpt = Checkpointer(root, keep=1 if room == "full" else None, rng=False, staging=method.split(":")[1])
     else:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -123,6 +141,8 @@ def measure(method: str, root: str, params: torch.nn.ParameterList, optim: torch
             gate = ckpt.stats["staging_wait_s"] - waited
             handle.result()
             durable = handle.committed_at - t0
+            if room != "full":
+                shutil.rmtree(os.path.join(root, step_dir_name(i + 1)))
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -189,18 +209,26 @@ def main() -> None:
         plain = statistics.median(timed(step, a.device) for _ in range(5))
         print(f"| {gb:g} GB | (limit) d2h copy of the state | {d2h:.3f} s | 1 | – | plain step {plain:.3f} s | – |",
               flush=True)
+        state_bytes = sum(t.numel() * t.element_size() for t in params.parameters()) * 3
         for method in a.methods.split(","):
+            room = disk_room(base, state_bytes, method)
+            if room == "none":
+                print(f"| {gb:g} GB | {method} | skipped: {shutil.disk_usage(base).free / GB:.1f} GB free at "
+                      f"{base}, a checkpoint takes {state_bytes / GB:.1f} GB | | | | |", flush=True)
+                continue
             r = measure(method, os.path.join(base, method.replace(":", "-").replace("+", "_")), params, optim,
-                        step, a.device, a.repeats)
-            rows.append({"gb": gb, "device": a.device, "method": method, "d2h": d2h, "plain_step": plain, **r})
-            print(f"| {gb:g} GB | {method} | {r['stall']:.4f} s | {r['stall'] / d2h:.3f} | {r['gate']:.3f} s | "
+                        step, a.device, a.repeats, room)
+            rows.append({"gb": gb, "device": a.device, "method": method, "d2h": d2h, "plain_step": plain,
+                         "disk_room": room, **r})
+            note = "" if room == "full" else " (disk holds one checkpoint: files new, not recycled)"
+            print(f"| {gb:g} GB | {method}{note} | {r['stall']:.4f} s | {r['stall'] / d2h:.3f} | {r['gate']:.3f} s | "
                   f"{r['next'] / plain:.2f} | {r['durable']:.3f} s |", flush=True)
+            if a.json:  # after every row: a run cut short keeps what it measured
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
         del params, optim, step
         if a.device == "cuda":
             torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
     dist.destroy_process_group()
