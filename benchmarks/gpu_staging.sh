@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU measurement of overlapped staging (stall, D2H time, the next step and the time to
+# durable for 8 and 32 GB of state), as one command for the device machine:
+#
+#   here:            bash scripts/gpu-wheels.sh      # the wheels its image lacks, into .whl/
+#   device `run`:    command "bash benchmarks/gpu_staging.sh", carry [".whl"], timeout_s 600
+#
+# Rows are printed and saved to $OUT/staging-cuda.json as they are measured, so a run cut
+# short keeps them. DEVICE=cpu SIZES=0.2 tries the script on a machine without a GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+DIR=${DIR:-/tmp/resilient-staging}
+mkdir -p "$OUT" "$DIR"
+if ! python3 -c "import zstandard, isal, etcd3gw" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || { echo "gpu_staging: run scripts/gpu-wheels.sh here and carry .whl"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+    df -h "$DIR"
+    free -g
+} 2>&1 | tee "$OUT/machine.txt"
+timeout "${STAGING_TIMEOUT:-560}" python3 -m benchmarks.bench_staging --device "${DEVICE:-cuda}" \
+    --sizes "${SIZES:-8,32}" --dir "$DIR" --json "$OUT/staging-cuda.json" 2>&1 | tee "$OUT/staging-cuda.log"
+rc=${PIPESTATUS[0]}
+rm -rf "$DIR"
+exit "$rc"
