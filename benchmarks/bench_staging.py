@@ -81,11 +81,16 @@ def timed(fn: Callable[[], Any], device: str) -> float:
 
 
 def d2h_seconds(optim: torch.optim.Optimizer, device: str) -> float:
-    """The whole state (parameters and moments) copied once into touched host memory."""
+    """The whole state (parameters and moments) copied once into touched host memory, of
+    the kind resilient stages into (on CUDA: locked at exactly its size, and unlocked
+    after, so the probe leaves nothing cached in torch's pinned allocator)."""
+    from resilient._hostmem import HostBuffer
+
     tensors = [p for g in optim.param_groups for p in g["params"]]
     tensors += [t for st in optim.state.values() for t in st.values() if t.dim() > 0]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda").fill_(0)
+    memory = HostBuffer(nbytes, pin=device == "cuda")
+    host = memory.tensor.fill_(0)
 
     def copy() -> None:
         pos = 0
@@ -94,7 +99,8 @@ def d2h_seconds(optim: torch.optim.Optimizer, device: str) -> float:
             host[pos:pos + n].copy_(t.detach().reshape(-1).view(torch.uint8), non_blocking=device == "cuda")
             pos += n
     times = [timed(copy, device) for _ in range(3)]
-    del host
+    memory.release()
+    del host, memory
     return statistics.median(times)
 
 

@@ -101,7 +101,7 @@ def probe_block(block: int = 64 << 20) -> torch.Tensor:
     """
     from resilient._hostmem import page_aligned_empty
 
-    data = page_aligned_empty(block, pin=False)
+    data = page_aligned_empty(block)
     data.copy_(torch.randint(0, 256, (block,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)))
     return data
 

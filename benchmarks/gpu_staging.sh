@@ -24,7 +24,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
     df -h "$DIR"
     free -g
 } 2>&1 | tee "$OUT/machine.txt"
-timeout "${STAGING_TIMEOUT:-560}" python3 -m benchmarks.bench_staging --device "${DEVICE:-cuda}" \
+# first the GPU tests: exact-size locked staging memory, an overlapped save's correctness
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_staging.py 2>&1 | tee "$OUT/gpu-tests.log"
+timeout "${STAGING_TIMEOUT:-480}" python3 -m benchmarks.bench_staging --device "${DEVICE:-cuda}" \
     --sizes "${SIZES:-8,32}" --dir "$DIR" --json "$OUT/staging-cuda.json" 2>&1 | tee "$OUT/staging-cuda.log"
 rc=${PIPESTATUS[0]}
 rm -rf "$DIR"

@@ -18,12 +18,13 @@ import ctypes.util
 import functools
 import logging
 import mmap
+import re
 
 import torch
 
 from ._chunkio import DIRECT_ALIGN
 
-__all__ = ["HUGE_PAGE", "page_aligned_empty", "advise_huge_pages"]
+__all__ = ["HUGE_PAGE", "HostBuffer", "page_aligned_empty", "advise_huge_pages"]
 
 log = logging.getLogger("resilient")
 
@@ -58,15 +59,82 @@ def advise_huge_pages(buffer: torch.Tensor) -> bool:
     return True
 
 
-def page_aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
-    """An uninitialised uint8 buffer of ``nbytes`` that starts on a page boundary; unpinned
-    and at least a huge page long, it starts on a huge-page boundary and is advised as huge
-    pages before anything touches it. (Pinned buffers come from the device driver's own
-    allocator, which decides their pages.)"""
-    align = HUGE_PAGE if not pin and nbytes >= HUGE_PAGE else DIRECT_ALIGN
-    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+def page_aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised (unpinned) uint8 buffer of ``nbytes`` that starts on a page
+    boundary; at least a huge page long, it starts on a huge-page boundary and is advised
+    as huge pages before anything touches it."""
+    align = HUGE_PAGE if nbytes >= HUGE_PAGE else DIRECT_ALIGN
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
     skip = -raw.data_ptr() % align
     buffer = raw[skip : skip + nbytes]
     if align == HUGE_PAGE:
         advise_huge_pages(buffer)
     return buffer
+
+
+class HostBuffer:
+    """A staging buffer of ``nbytes``, page-locked for the GPU when ``pin``; ``release()``
+    unlocks it (its memory lives as long as any view of ``tensor``).
+
+    Why not ``torch.empty(pin_memory=True)``: torch's pinned allocator rounds every request
+    up to a power of two and keeps what is freed cached for its next requests, so a rank's
+    20 GiB of state would lock 32 GiB, and 32 GiB plus the alignment slack 64 GiB: more
+    than a host of 8 GPUs can give. Here the memory is an anonymous mapping of exactly the
+    size asked (page-aligned, so direct I/O writes from it; advised as huge pages), locked
+    by registering it with the CUDA driver. Where registering fails, torch's allocator is
+    the fallback, logged, asked for no more than ``nbytes`` (its blocks are page-aligned).
+    """
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self._registered: int | None = None
+        if not pin:
+            self.tensor = page_aligned_empty(nbytes)
+            return
+        # private and anonymous: page-aligned, eligible for huge pages; the tensor keeps it alive
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        if nbytes >= HUGE_PAGE:
+            advise_huge_pages(tensor)
+        error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0))
+        if error == 0:
+            self._registered = tensor.data_ptr()
+            self.tensor = tensor
+            return
+        _clear_cuda_error()  # or torch's next launch check would report this one
+        log.warning("resilient: registering %d bytes of staging memory with CUDA failed (error %d); "
+                    "using torch's pinned allocator, which rounds the size up to a power of two", nbytes, error)
+        del tensor
+        mapping.close()
+        self.tensor = _torch_pinned(nbytes)
+
+    @property
+    def registered(self) -> bool:
+        """Locked by registration (exactly ``nbytes``), not by torch's pinned allocator."""
+        return self._registered is not None
+
+    def release(self) -> None:
+        """Unlock the memory; the caller makes sure no copy into it is still running."""
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+
+
+def _torch_pinned(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if raw.data_ptr() % DIRECT_ALIGN == 0:
+        return raw
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=True)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (torch's bindings do not offer
+    ``cudaGetLastError``): through the runtime library this process has loaded, if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({m.group(0) for m in re.finditer(r"/\S*libcudart\.so[.\d]*", maps.read())})
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError as exc:
+        log.debug("resilient: could not reset the CUDA error: %s", exc)

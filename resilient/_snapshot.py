@@ -22,7 +22,7 @@ from ._chunkio import crc32
 from ._errors import UnsupportedStateError
 from ._fence import CopyProgress, CopyThread, StagingFence, register
 from ._format import dtype_from_name, dtype_name
-from ._hostmem import page_aligned_empty
+from ._hostmem import HostBuffer
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
 __all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view"]
@@ -319,16 +319,27 @@ class Staging:
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
+        self._memory: HostBuffer | None = None  # what ``buffer`` is, unlocked on replacing or closing
         self._stream: Any = None
         self._copier = CopyThread()
         self._gaps_zeroed: tuple[RankPlan, int] | None = None  # (plan, buffer address)
 
     def _ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.is_pinned() != pin:
-            self.buffer = None  # free the old one first: never hold two
-            self.buffer = page_aligned_empty(max(nbytes, 1), pin)
+            self._release()  # free the old one first: never hold two
+            self._memory = HostBuffer(max(nbytes, 1), pin)
+            self.buffer = self._memory.tensor
             self.buffer.zero_()  # touch every page now, not during the copy
         return self.buffer
+
+    def _release(self) -> None:
+        """Drop the buffer, unlocking it once no copy into it can still be running (every
+        save that used it has been waited for; the side stream is drained for the rest)."""
+        if self._memory is not None:
+            if self._stream is not None:
+                self._stream.synchronize()
+            self._memory.release()
+        self._memory = self.buffer = None
 
     def _zero_gaps(self, buffer: torch.Tensor, plan: RankPlan) -> None:
         """Zeros between the blobs, once per plan and buffer: the reused buffer may hold an
@@ -433,3 +444,4 @@ class Staging:
 
     def close(self) -> None:
         self._copier.close()
+        self._release()

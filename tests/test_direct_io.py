@@ -63,7 +63,7 @@ def read_back(path: str, record: dict, nbytes: int) -> bytes:
 
 
 def test_page_aligned_buffer_is_written_past_the_page_cache(tmp_path):
-    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    buffer = page_aligned_empty(sum(SIZES))
     assert buffer.data_ptr() % DIRECT_ALIGN == 0
     views = filled(buffer)
     path = str(tmp_path / "rank.data")
@@ -75,7 +75,7 @@ def test_page_aligned_buffer_is_written_past_the_page_cache(tmp_path):
 
 
 def test_unaligned_buffer_falls_back_to_buffered_writes(tmp_path):
-    raw = page_aligned_empty(sum(SIZES) + 1, pin=False)
+    raw = page_aligned_empty(sum(SIZES) + 1)
     buffer = raw[1:]  # one byte off the page boundary: direct I/O cannot take it
     views = filled(buffer)
     path = str(tmp_path / "rank.data")
@@ -86,7 +86,7 @@ def test_unaligned_buffer_falls_back_to_buffered_writes(tmp_path):
 
 def test_a_device_refusing_direct_io_midway_gets_the_rest_buffered(tmp_path, monkeypatch):
     """The kernel's EINVAL (a device with larger blocks) is the one thing stood in for here."""
-    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    buffer = page_aligned_empty(sum(SIZES))
     views = filled(buffer)
     path = str(tmp_path / "rank.data")
     real_pwrite, direct_writes = os.pwrite, []
@@ -114,7 +114,7 @@ def fcntl_flags(fd: int) -> int:
 
 
 def test_compressed_files_keep_the_buffered_path(tmp_path):
-    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    buffer = page_aligned_empty(sum(SIZES))
     views = filled(buffer)
     buffer[: SIZES[0]].zero_()  # one blob that zstd shrinks
     path = str(tmp_path / "rank.data")
@@ -124,7 +124,7 @@ def test_compressed_files_keep_the_buffered_path(tmp_path):
 
 
 def test_blobs_that_are_not_the_buffer_are_refused(tmp_path):
-    buffer = page_aligned_empty(sum(SIZES), pin=False)
+    buffer = page_aligned_empty(sum(SIZES))
     views = filled(buffer)
     with pytest.raises(ValueError, match="the blobs hold"):
         write(str(tmp_path / "rank.data"), views[:-1], memoryview(buffer.numpy()))

@@ -38,14 +38,14 @@ def thp_possible() -> bool:
 
 def test_small_buffers_are_page_aligned_and_exact():
     for nbytes in (1, 4095, 4096, 100_000, HUGE_PAGE - 1):
-        buffer = page_aligned_empty(nbytes, pin=False)
+        buffer = page_aligned_empty(nbytes)
         assert buffer.numel() == nbytes and buffer.dtype == torch.uint8
         assert buffer.data_ptr() % DIRECT_ALIGN == 0
 
 
 def test_large_buffers_start_on_a_huge_page_and_hold_every_byte():
     nbytes = 3 * HUGE_PAGE + 12345
-    buffer = page_aligned_empty(nbytes, pin=False)
+    buffer = page_aligned_empty(nbytes)
     assert buffer.numel() == nbytes and buffer.data_ptr() % HUGE_PAGE == 0
     buffer.copy_(torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8))
     assert int(buffer[-1]) == (nbytes - 1) % 251 and int(buffer[HUGE_PAGE]) == HUGE_PAGE % 251
@@ -53,7 +53,7 @@ def test_large_buffers_start_on_a_huge_page_and_hold_every_byte():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not thp_possible(), reason="needs Linux with THP")
 def test_large_buffers_are_advised_as_huge_pages_before_first_touch():
-    large = page_aligned_empty(64 << 20, pin=False)
+    large = page_aligned_empty(64 << 20)
     assert "hg" in vm_flags(large.data_ptr()), "the staging buffer was not advised as huge pages"
     assert "hg" in vm_flags(large.data_ptr() + large.numel() - 1)
 

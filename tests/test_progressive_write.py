@@ -46,7 +46,7 @@ def test_the_file_holds_the_final_bytes_of_a_buffer_filled_while_it_is_written(t
     monkeypatch.setattr(_chunkio, "DIRECT_WRITE_BYTES", PIECE)  # several writes, one per piece
     pieces = 6
     final = torch.randint(0, 255, (pieces * PIECE,), dtype=torch.uint8)
-    buffer = page_aligned_empty(pieces * PIECE, False)
+    buffer = page_aligned_empty(pieces * PIECE)
     buffer.zero_()
     progress = CopyProgress([(i * PIECE, i) for i in range(pieces)])
     granted: list[int] = []  # ends of the prefixes the writer was let read
