@@ -86,6 +86,7 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int, pin: bool) -> None:
+        self.pinned = pin
         self._registered: int | None = None
         if not pin:
             self.tensor = page_aligned_empty(nbytes)
@@ -105,7 +106,7 @@ class HostBuffer:
                     "using torch's pinned allocator, which rounds the size up to a power of two", nbytes, error)
         del tensor
         mapping.close()
-        self.tensor = _torch_pinned(nbytes)
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc: page-aligned
 
     @property
     def registered(self) -> bool:
@@ -117,15 +118,6 @@ class HostBuffer:
         if self._registered is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
-
-
-def _torch_pinned(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    if raw.data_ptr() % DIRECT_ALIGN == 0:
-        return raw
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=True)
-    skip = -raw.data_ptr() % DIRECT_ALIGN
-    return raw[skip : skip + nbytes]
 
 
 def _clear_cuda_error() -> None:

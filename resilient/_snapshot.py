@@ -318,19 +318,22 @@ class Staging:
     """
 
     def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-        self._memory: HostBuffer | None = None  # what ``buffer`` is, unlocked on replacing or closing
+        self._memory: HostBuffer | None = None  # the buffer, unlocked on replacing or closing
         self._stream: Any = None
         self._copier = CopyThread()
         self._gaps_zeroed: tuple[RankPlan, int] | None = None  # (plan, buffer address)
 
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The staging buffer now held (None before the first save or after ``close``)."""
+        return None if self._memory is None else self._memory.tensor
+
     def _ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.is_pinned() != pin:
+        if self._memory is None or self._memory.tensor.numel() < nbytes or self._memory.pinned != pin:
             self._release()  # free the old one first: never hold two
             self._memory = HostBuffer(max(nbytes, 1), pin)
-            self.buffer = self._memory.tensor
-            self.buffer.zero_()  # touch every page now, not during the copy
-        return self.buffer
+            self._memory.tensor.zero_()  # touch every page now, not during the copy
+        return self._memory.tensor
 
     def _release(self) -> None:
         """Drop the buffer, unlocking it once no copy into it can still be running (every
@@ -339,7 +342,7 @@ class Staging:
             if self._stream is not None:
                 self._stream.synchronize()
             self._memory.release()
-        self._memory = self.buffer = None
+        self._memory = None
 
     def _zero_gaps(self, buffer: torch.Tensor, plan: RankPlan) -> None:
         """Zeros between the blobs, once per plan and buffer: the reused buffer may hold an
