@@ -270,16 +270,14 @@ def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview
         await_bytes(end)
         return crc32(piece)
 
-    crcs = [pool.submit(checksum, piece, end) for piece, end in _split_with_ends(blobs, chunk_bytes)]
+    pieces = list(_split_with_ends(blobs, chunk_bytes))
+    crcs = [pool.submit(checksum, piece, end) for piece, end in pieces]
     total = len(writer.source)
     for end in range(DIRECT_WRITE_BYTES, total + DIRECT_WRITE_BYTES, DIRECT_WRITE_BYTES):
         await_bytes(min(end, total))
         writer.advance(min(end, total), fd, final=end >= total)
-    chunks, offset = [], 0
-    for piece, crc in zip(_split(blobs, chunk_bytes), crcs):
-        chunks.append([offset, len(piece), offset, len(piece), crc.result(), RAW])
-        offset += len(piece)
-    return chunks
+    return [[end - len(piece), len(piece), end - len(piece), len(piece), crc.result(), RAW]
+            for (piece, end), crc in zip(pieces, crcs)]
 
 
 class ChunkedFile:

@@ -372,12 +372,8 @@ class Staging:
         self._zero_gaps(buffer, plan)
         now = [blob for blob in plan.blobs if blob.name not in deferred]
         later = [blob for blob in plan.blobs if blob.name in deferred]
-        # copy order: on CUDA everything goes on the side stream, ``now`` first; on the CPU
-        # ``now`` is final when this returns and the copy thread does ``later``
-        order = [(blob.offset, place) for place, blob in enumerate(now + later)] if pin else \
-            [(blob.offset, -1) for blob in now] + [(blob.offset, place) for place, blob in enumerate(later)]
         fence = StagingFence([(name, tensors[name]) for name in sorted({b.name for b in later})], on_wait,
-                             CopyProgress(order)) if later or pin else None
+                             self._progress(now, later, pin)) if later or pin else None
         if fence is not None and later:
             register(fence)  # before the copy starts: the writer forgets it once complete
         with torch.no_grad():
@@ -397,6 +393,14 @@ class Staging:
                         fence.cpu_copied(error)
                     self._copier.run(copy_later)
         return fence
+
+    @staticmethod
+    def _progress(now: list[Blob], later: list[Blob], pin: bool) -> CopyProgress:
+        """Copy order: on CUDA everything goes on the side stream, ``now`` first; on the CPU
+        ``now`` is final when ``stage`` returns and the copy thread does ``later``."""
+        if pin:
+            return CopyProgress([(blob.offset, place) for place, blob in enumerate(now + later)])
+        return CopyProgress([(blob.offset, -1) for blob in now] + [(blob.offset, place) for place, blob in enumerate(later)])
 
     @staticmethod
     def _copy(buffer: torch.Tensor, tensors: dict[str, torch.Tensor], blobs: list[Blob], non_blocking: bool,
