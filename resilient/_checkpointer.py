@@ -105,6 +105,22 @@ def _env_flag(name: str, default: bool) -> bool:
                          f"yes/no, on/off)") from None
 
 
+def _refuse_different_remotes(urls: list[object]) -> None:
+    """Raise on every rank when ranks were given different remote tiers. Why: only a node's
+    leader uploads, and every rank's ``flush`` waits for the commit record at its own URL, so
+    a rank whose URL differs (built per rank from a clock or a uuid) would wait forever and
+    restore from a tier nobody writes."""
+    ranks: dict[object, list[int]] = {}
+    for rank, url in enumerate(urls):
+        ranks.setdefault(url, []).append(rank)
+    if len(ranks) > 1:
+        groups = "; ".join(f"remote={url!r} on rank{'s' if len(rs) > 1 else ''} "
+                           f"{', '.join(map(str, rs[:4]))}{f' and {len(rs) - 4} more' if len(rs) > 4 else ''}"
+                           for url, rs in ranks.items())
+        raise ValueError(f"the ranks were given different remote tiers ({groups}): pass the same URL on every "
+                         "rank, made once (e.g. by the launcher, in an environment variable), not per rank")
+
+
 class Checkpointer:
     """Asynchronous, sharded, crash-consistent checkpoints of a training job.
 
@@ -218,6 +234,7 @@ class Checkpointer:
         # passes a solo one, so that no collective waits for ranks that never call
         self._coord: Coordinator = _coordinator or make_coordinator(process_group, self._tier)
         self._claimed: bool | None = None  # None: not yet asked (see _claim_root, at the first save)
+        _refuse_different_remotes(self._coord.all_gather(remote))
         if self._coord.is_leader:
             if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
                 self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])

@@ -110,6 +110,17 @@ def test_state_refused_on_one_rank_raises_on_every_rank(tmp_path):
     assert "rank 0 refused: another rank refused" in results[0].output
 
 
+def test_ranks_given_different_remote_tiers_are_refused_on_every_rank(tmp_path):
+    """Only a node's leader uploads and every rank's flush waits at its own URL: a URL made
+    per rank (here: suffixed with the rank) would hang the others' flush. Every rank refuses,
+    naming each URL and its ranks."""
+    remote = f"file://{tmp_path}/remote"
+    results = run_ranks("remote_differs_by_rank", 2, {"root": str(tmp_path / "run"), "remote": remote}, timeout=60)
+    for r in results:
+        assert f"rank {r.rank} refused: the ranks were given different remote tiers" in r.output
+        assert f"remote='{remote}-0' on rank 0; remote='{remote}-1' on rank 1" in r.output
+
+
 def test_ddp_resumes_from_the_remote_tier_alone(baselines, tmp_path, s3_server):
     """Both nodes' disks are lost; the two ranks resume from the object store."""
     import shutil

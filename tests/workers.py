@@ -150,6 +150,17 @@ def mismatch_on_one_rank(a: dict) -> None:
     raise AssertionError("restore did not refuse")
 
 
+def remote_differs_by_rank(a: dict) -> None:
+    """Each rank builds its remote URL itself and gets another one: every rank must refuse."""
+    rank, world = init()
+    try:
+        Checkpointer(a["root"], remote=f"{a['remote']}-{rank}")
+    except ValueError as exc:
+        print(f"rank {rank} refused: {exc}", flush=True)
+        return
+    raise AssertionError("different remote tiers were accepted")
+
+
 def rank_dependent_tensor_refused(a: dict) -> None:
     """A plain tensor that differs by rank, outside PerRank: every rank's save refuses it."""
     from resilient import UnsupportedStateError
@@ -349,6 +360,7 @@ def recycled_saves(a: dict) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
+                                     remote_differs_by_rank,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore,
                                      stateful_dataloader_per_rank, replicated_save, replicated_restore,
                                      recycled_saves)}
