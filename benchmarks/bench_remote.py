@@ -1,94 +1,208 @@
-"""The remote tier against plain s3fs and DCP's fsspec reader, on moto's S3 server (loopback).
+"""The remote tier against plain s3fs transfers and DCP's fsspec reader, on moto's S3 server
+(loopback), at 1 and 2 ranks on this one node.
 
-    python -m benchmarks.bench_remote [--gb 0.5]
+    python -m benchmarks.bench_remote [--gb 0.5] [--worlds 1,2] [--rounds 3] [--json PATH]
 
 Upload: time from a committed local checkpoint to the remote commit record (``flush``),
-against one plain ``s3fs`` put of the same bytes. Restore on a node with an empty disk
-(download + load) against ``torch.distributed.checkpoint.load`` with its fsspec reader from
-the same server. Plus the slowdown of a matmul training step while an upload runs.
+against one plain ``s3fs`` put of the same bytes (the upload limit). Restore on a node
+with an empty disk (download + load, every rank until the slowest is done) against one
+plain ``s3fs`` get of the same bytes (the download limit: the node needs each byte once)
+and against ``torch.distributed.checkpoint.load`` with its fsspec reader from the same
+server. The get, resilient and DCP take turns in each round, in a rotating order, because
+the server shares this machine's cores and its speed drifts. At one rank, also the
+slowdown of a matmul training step while an upload runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import shutil
+import statistics
+import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import fsspec
 import torch
+import torch.distributed as dist
 
-from benchmarks.bench_checkpoint import build_state, zero_state
+from benchmarks.bench_checkpoint import _barrier, _on_rank0, _rotated, _timed_together, build_state, zero_state
 from benchmarks.common import GB, mean_step_seconds
-from tests.launch import free_port
+from resilient.devservices import free_port
+
+PLAIN, PLAIN_RANGES, RESILIENT, DCP = "plain get", "plain ranged gets", "resilient", "dcp.load (FsspecReader)"
+#: concurrent ranged GETs of the second download limit (resilient fetches a step's files, and
+#: the spans of each, with up to 8 requests in flight)
+STREAMS = 8
+
+
+def _state_bytes(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [*state["model"].values(), *(v for s in state["optim"]["state"].values() for v in s.values())]
+
+
+def _fingerprint(state: dict[str, Any]) -> float:
+    """A sum over every tensor: a restore that missed or garbled bytes changes it."""
+    return float(sum(t.double().sum() for t in _state_bytes(state)))
+
+
+def worker(args: dict[str, Any]) -> None:
+    """One rank: save and upload once, then ``rounds`` rounds of the three restores."""
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from resilient import Checkpointer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts, work = args["options"], args["work"]
+    fs = fsspec.filesystem("s3", **opts)
+    state = build_state(int(args["gb"] * GB), world, "replicated")
+    expected = _fingerprint(state)
+    blob, plain = os.path.join(work, "blob.bin"), f"{args['bucket']}/plain-{world}/blob.bin"
+
+    def write_blob() -> None:
+        with open(blob, "wb") as f:
+            for t in _state_bytes(state):
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+    _on_rank0(rank, write_blob)
+    out: dict[str, Any] = {"rank": rank, "world": world, "nbytes": os.path.getsize(blob)}
+    out["put_s"] = _on_rank0(rank, lambda: _seconds(lambda: fs.put_file(blob, plain)))
+    url, dcp_url = args["url"], args["dcp_url"]  # the same on every rank
+    node_root = os.path.join(work, "node")  # one directory: the ranks share this node's disk
+    with Checkpointer(node_root, remote=url, storage_options=opts, rng=False) as ckpt:
+        ckpt.save(1, state).result()
+        out["upload_s"] = _timed_together(ckpt.flush)
+        if world == 1:
+            ckpt.save(2, state).result()
+            idle = mean_step_seconds(lambda: False, 20)
+            busy = mean_step_seconds(lambda: not ckpt._uploader.pending(), 10_000)
+            out["slowdown"] = busy / idle
+            ckpt.flush()
+    save(state, storage_writer=FsspecWriter(dcp_url, **opts))
+
+    def restore_resilient(where: str) -> None:
+        with Checkpointer(where, remote=url, storage_options=opts, rng=False) as ckpt:
+            ckpt.restore(state)
+
+    times: dict[str, list[float]] = {PLAIN: [], PLAIN_RANGES: [], RESILIENT: [], DCP: []}
+    for rnd in range(args["rounds"]):
+        empty = os.path.join(work, f"empty-{rnd}")
+        runs: dict[str, Callable[[], None]] = {
+            PLAIN: lambda: _on_rank0(rank, lambda: fs.get_file(plain, blob)),
+            PLAIN_RANGES: lambda: _on_rank0(rank, lambda: _ranged_get(fs, plain, blob, out["nbytes"])),
+            RESILIENT: lambda: restore_resilient(empty),
+            DCP: lambda: load(state, storage_reader=FsspecReader(dcp_url, **opts)),
+        }
+        for name in _rotated(list(runs), rnd):
+            zero_state(state)
+            _barrier()
+            times[name].append(_timed_together(runs[name]))
+            if name in (RESILIENT, DCP) and abs(_fingerprint(state) - expected) > 1e-6 * abs(expected) + 1e-3:
+                sys.exit(f"rank {rank}: {name} restored different values in round {rnd}")
+        _barrier()
+        _on_rank0(rank, lambda: shutil.rmtree(empty, ignore_errors=True))
+    out["restore_s"] = {name: statistics.median(ts) for name, ts in times.items()}
+    out["restore_samples_s"] = times
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def _ranged_get(fs: Any, src: str, dst: str, nbytes: int) -> None:
+    """Download ``src`` into ``dst`` as ``STREAMS`` concurrent ranged GETs."""
+    part = -(-nbytes // STREAMS)
+    with open(dst, "wb") as f:
+        f.truncate(nbytes)
+
+    def one(lo: int) -> None:
+        data = fs.cat_file(src, start=lo, end=min(nbytes, lo + part))
+        with open(dst, "r+b") as f:
+            f.seek(lo)
+            f.write(data)
+
+    with ThreadPoolExecutor(STREAMS) as pool:
+        list(pool.map(one, range(0, nbytes, part)))
+
+
+def _seconds(action: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    action()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=0.5, help="state size in GB (default: %(default)s)")
+    p.add_argument("--worlds", default="1,2", help="ranks on this node, comma separated (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="restore rounds (median; default: %(default)s)")
+    p.add_argument("--json", default=None, help="write the rows here as well")
     a = p.parse_args()
     from moto.server import ThreadedMotoServer
 
-    from resilient import Checkpointer
+    from tests.launch import finish, start_ranks
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
-    fs = fsspec.filesystem("s3", **opts)
-    fs.mkdir("bench")
-    state = build_state(int(a.gb * GB), 1, "replicated")
-    nbytes = int(a.gb * GB)
-    work = tempfile.mkdtemp(prefix="resilient-remote-")
+    fsspec.filesystem("s3", **opts).mkdir("bench")
+    rows = []
     try:
-        # plain put of the same bytes (one file)
-        blob = os.path.join(work, "blob.bin")
-        with open(blob, "wb") as f:
-            for t in [*state["model"].values(), *(v for s in state["optim"]["state"].values() for v in s.values())]:
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        t0 = time.perf_counter()
-        fs.put_file(blob, "bench/plain/blob.bin")
-        put = time.perf_counter() - t0
-
-        url = f"s3://bench/run-{uuid.uuid4().hex[:6]}"
-        with Checkpointer(os.path.join(work, "a"), remote=url, storage_options=opts, rng=False) as ckpt:
-            ckpt.save(1, state).result()
-            t0 = time.perf_counter()
-            ckpt.flush()
-            upload = time.perf_counter() - t0
-            # step slowdown while an upload runs
-            ckpt.save(2, state).result()
-            idle = mean_step_seconds(lambda: False, 20)
-            busy = mean_step_seconds(lambda: not ckpt._uploader.pending(), 10_000)
-            ckpt.flush()
-        zero_state(state)
-        t0 = time.perf_counter()
-        with Checkpointer(os.path.join(work, "empty-disk"), remote=url, storage_options=opts, rng=False) as ckpt:
-            ckpt.restore(state)
-        restore = time.perf_counter() - t0
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
-        dcp_url = f"s3://bench/dcp-{uuid.uuid4().hex[:6]}"
-        dcp.save(state, storage_writer=FsspecWriter(dcp_url, **opts), no_dist=True)
-        zero_state(state)
-        t0 = time.perf_counter()
-        dcp.load(state, storage_reader=FsspecReader(dcp_url, **opts), no_dist=True)
-        dcp_restore = time.perf_counter() - t0
+        for world in [int(w) for w in a.worlds.split(",")]:
+            work = tempfile.mkdtemp(prefix="resilient-remote-")
+            try:
+                tag = f"{world}-{uuid.uuid4().hex[:6]}"
+                args = {"gb": a.gb, "rounds": a.rounds, "options": opts, "bucket": "bench", "work": work,
+                        "url": f"s3://bench/run-{tag}", "dcp_url": f"s3://bench/dcp-{tag}"}
+                results = finish(start_ranks("worker", world, args, module="benchmarks.bench_remote",
+                                             env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}),
+                                 timeout=1800)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            lines = [ln for r in results for ln in r.output.splitlines() if ln.startswith("RESULT ")]
+            if len(lines) != world or any(r.returncode for r in results):
+                sys.exit("\n".join(f"rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in results))
+            rows.append(json.loads(lines[0][7:]))  # rank 0's: every timing is already the slowest rank's
+            print(_rows(rows[-1]), flush=True)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
         server.stop()
-    print(f"state {a.gb:g} GB, moto S3 server on 127.0.0.1\n")
-    print("| figure | resilient | anchor | ratio |\n|---|---|---|---|")
-    print(f"| upload (flush of a committed step) vs one s3fs put | {upload:.2f} s ({nbytes / upload / GB:.2f} GB/s) "
-          f"| {put:.2f} s ({nbytes / put / GB:.2f} GB/s) | {put / upload * 100:.0f}% of the put's throughput |")
-    print(f"| restore on an empty disk vs DCP FsspecReader | {restore:.2f} s | {dcp_restore:.2f} s "
-          f"| {dcp_restore / restore:.2f}× faster |")
-    print(f"| matmul step slowdown while uploading | {busy / idle:.2f}× | – | – |")
+    print(f"\nstate {a.gb:g} GB, moto S3 server on 127.0.0.1, medians of {a.rounds} rounds\n")
+    print("| ranks | figure | resilient | limit or anchor | ratio |\n|---|---|---|---|---|")
+    for row in rows:
+        print(_rows(row))
+
+
+def _rows(row: dict[str, Any]) -> str:
+    n, r = row["world"], row["restore_s"]
+    rate = row["nbytes"] / GB
+    get = min(r[PLAIN], r[PLAIN_RANGES])
+    how = "one stream" if r[PLAIN] <= r[PLAIN_RANGES] else f"{STREAMS} ranged streams"
+    lines = [
+        f"| {n} | upload (`flush` of a committed step) vs one plain s3fs put | {row['upload_s']:.2f} s "
+        f"| {row['put_s']:.2f} s | {row['put_s'] / row['upload_s'] * 100:.0f}% of the put's throughput |",
+        f"| {n} | restore on an empty disk vs the faster plain s3fs download of the same bytes "
+        f"(one get: {r[PLAIN]:.2f} s; {STREAMS} ranged gets: {r[PLAIN_RANGES]:.2f} s) | {r[RESILIENT]:.2f} s "
+        f"({rate / r[RESILIENT]:.2f} GB/s) | {get:.2f} s ({how}) | {get / r[RESILIENT] * 100:.0f}% of its throughput |",
+        f"| {n} | restore on an empty disk vs DCP's FsspecReader | {r[RESILIENT]:.2f} s | {r[DCP]:.2f} s "
+        f"| {r[DCP] / r[RESILIENT]:.2f}× faster |",
+    ]
+    if "slowdown" in row:
+        lines.append(f"| {n} | matmul step slowdown while uploading | {row['slowdown']:.2f}× | – | – |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "worker":
+        worker(json.loads(sys.argv[2]))
+    else:
+        main()

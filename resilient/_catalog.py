@@ -21,10 +21,24 @@ from ._layout import Box
 from ._tree import build_value
 from ._storage import Storage
 
-__all__ = ["Entry", "Catalog"]
+__all__ = ["Entry", "Catalog", "spans"]
 
 COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
 _READ_SPAN = 64 << 20  # bytes fetched per request when streaming a file
+
+
+def spans(chunks: list[list[int]]) -> list[list[list[int]]]:
+    """Consecutive chunks grouped into requests of at most ``_READ_SPAN`` stored bytes (a
+    larger chunk alone)."""
+    out: list[list[list[int]]] = []
+    i = 0
+    while i < len(chunks):
+        j, start = i, chunks[i][2]
+        while j < len(chunks) and chunks[j][2] + chunks[j][3] - start <= max(_READ_SPAN, chunks[i][3]):
+            j += 1
+        out.append(chunks[i:j])
+        i = j
+    return out
 
 
 @dataclass
@@ -131,19 +145,20 @@ class Catalog:
     ) -> Iterator[tuple[list[int], memoryview]]:
         """Yield (chunk, its logical bytes, or its stored bytes without ``decode``) for
         consecutive chunks, fetched in large spans, each checked against its CRC."""
+        for span in spans(chunks):
+            yield from self.read_span(step, fname, span, decode=decode)
+
+    def read_span(
+        self, step: int, fname: str, span: list[list[int]], *, decode: bool = True
+    ) -> list[tuple[list[int], memoryview]]:
+        """The chunks of one span (consecutive in the file) in one request, each checked
+        against its CRC, as ``chunks`` yields them."""
         path = f"{step_dir_name(step)}/{fname}"
         where = f"{self.storage.url}/{path}"
-        i = 0
-        while i < len(chunks):
-            j, start = i, chunks[i][2]
-            while j < len(chunks) and chunks[j][2] + chunks[j][3] - start <= max(_READ_SPAN, chunks[i][3]):
-                j += 1
-            end = chunks[j - 1][2] + chunks[j - 1][3]
-            span = memoryview(self.storage.read(path, start, end))
-            for chunk in chunks[i:j]:
-                stored = span[chunk[2] - start : chunk[2] - start + chunk[3]]
-                yield chunk, decode_chunk(chunk, stored, where, decode=decode)
-            i = j
+        start = span[0][2]
+        data = memoryview(self.storage.read(path, start, span[-1][2] + span[-1][3]))
+        return [(chunk, decode_chunk(chunk, data[chunk[2] - start : chunk[2] - start + chunk[3]], where,
+                                     decode=decode)) for chunk in span]
 
     def verify_file(self, manifest: dict, step: int, fname: str, progress: Callable[[int], None] | None = None) -> None:
         """Read every chunk of a data file and check its CRC; CheckpointCorruptError if not."""

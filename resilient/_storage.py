@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Iterable, Mapping, Protocol
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 from ._errors import StorageError
 
@@ -67,14 +68,28 @@ class LocalStorage:
             return f.read(-1 if end is None else end - start)
 
     def write(self, path: str, chunks: Iterable[bytes | memoryview]) -> None:
+        with self.creating(path) as fd, open(fd, "wb", closefd=False) as f:
+            for chunk in chunks:
+                f.write(chunk)
+
+    @contextmanager
+    def creating(self, path: str, size: int = 0) -> Iterator[int]:
+        """A descriptor of a new file (``size`` bytes long to start with) that replaces
+        ``path`` only once the block ends without an error, fsync'd: a reader never sees it
+        half-written, and a failed block leaves nothing behind."""
         full = self._p(path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
         tmp = f"{full}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            yield fd
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
         os.replace(tmp, full)
 
     def put_file(self, local_path: str, path: str) -> None:

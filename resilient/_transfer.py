@@ -8,6 +8,7 @@ complete, so a reader of the destination never sees a half-copied step as commit
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -15,7 +16,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
-from ._catalog import Catalog
+from ._catalog import Catalog, spans
 from ._format import MANIFEST, step_dir_name
 from ._local import LocalTier
 from ._storage import LocalStorage, Storage
@@ -56,6 +57,7 @@ def copy_step(
     if not skip_present:
         dst.delete(f"{sdir}/{MANIFEST}")  # re-copying a step: uncommit the old copy first
     lock = threading.Lock()
+    report = None if progress is None else functools.partial(_locked, lock, progress)
 
     def one(fname: str, record: dict) -> int:
         path = f"{sdir}/{fname}"
@@ -66,9 +68,8 @@ def copy_step(
 
         def stream() -> Iterator[memoryview]:
             for _, stored in src.chunks(step, fname, record["chunks"], decode=False):
-                if progress:
-                    with lock:
-                        progress(len(stored))
+                if report:
+                    report(len(stored))
                 yield stored
 
         if isinstance(src.storage, LocalStorage):
@@ -77,6 +78,8 @@ def copy_step(
             for _ in stream():
                 pass
             dst.put_file(src.storage.local_path(path), path)
+        elif isinstance(dst, LocalStorage) and _back_to_back(record):
+            _download(src, dst, step, fname, record, span_workers, report)
         else:
             dst.write(path, stream())
         size = dst.size(path)
@@ -85,6 +88,8 @@ def copy_step(
         return size
 
     files = list(manifest["files"].items())
+    # about ``workers`` requests in flight: the files of more than one span share them
+    span_workers = max(1, workers // max(1, min(workers, sum(len(spans(r["chunks"])) > 1 for _, r in files))))
     if workers > 1 and len(files) > 1:
         with ThreadPoolExecutor(max_workers=min(workers, len(files))) as pool:
             total = sum(pool.map(lambda item: one(*item), files))
@@ -93,6 +98,55 @@ def copy_step(
     if commit:
         commit_step(src, dst, step)
     return total
+
+
+def _locked(lock: threading.Lock, progress: Callable[[int], None], n: int) -> None:
+    with lock:
+        progress(n)
+
+
+def _back_to_back(record: dict) -> bool:
+    """Whether a data file is its chunks, stored one after the other from byte 0 (what the
+    writer makes): then each span can be written at its own offset."""
+    end = 0
+    for chunk in record["chunks"]:
+        if chunk[2] != end:
+            return False
+        end += chunk[3]
+    return end == record["bytes"]
+
+
+def _download(src: Catalog, dst: LocalStorage, step: int, fname: str, record: dict, workers: int,
+              progress: Callable[[int], None] | None) -> None:
+    """One data file from a remote tier into local storage as up to ``workers`` concurrent
+    ranged reads, each span's chunks checked against their CRCs before they are written at
+    their offset; the file appears complete and fsync'd, or not at all.
+
+    Why not one stream: a node with an empty disk restores only as fast as it downloads,
+    and a sequence of one request at a time reached 61% of 8 concurrent ranged GETs of the
+    same bytes (0.5 GB, S3 protocol on loopback), which is what this reaches instead."""
+    with dst.creating(f"{step_dir_name(step)}/{fname}", record["bytes"]) as fd:
+
+        def fetch(span: list[list[int]]) -> None:
+            for chunk, stored in src.read_span(step, fname, span, decode=False):
+                _pwrite_all(fd, stored, chunk[2])
+                if progress:
+                    progress(len(stored))
+
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resilient-download")
+        try:
+            for future in [pool.submit(fetch, span) for span in spans(record["chunks"])]:
+                future.result()
+        finally:  # a failed span: nothing more is fetched, and no thread writes after the file is gone
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until every byte is written (one call writes at most ~2 GiB on Linux)."""
+    data = data.cast("B")
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _replace_local(src: Catalog, dst: LocalStorage, step: int, progress: Callable[[int], None] | None,

@@ -1,0 +1,85 @@
+"""A step downloaded from the object store (moto's S3 server) into a local tier as concurrent
+ranged reads: byte-identical to what was uploaded, every chunk checked, all or nothing."""
+
+import os
+import threading
+import time
+import uuid
+
+import fsspec
+import pytest
+import torch
+
+from resilient import Checkpointer, CheckpointCorruptError
+from resilient import _catalog
+from resilient._catalog import Catalog
+from resilient._storage import FsspecStorage, LocalStorage
+from resilient._transfer import copy_step
+
+pytestmark = pytest.mark.timeout(120)
+
+SPAN = 256 << 10  # small spans, so that a 4 MB file is many requests
+
+
+@pytest.fixture
+def uploaded(tmp_path, s3_server, monkeypatch):
+    """(remote catalog, the uploading node's step directory, the state saved) for step 1."""
+    monkeypatch.setattr(_catalog, "_READ_SPAN", SPAN)
+    url, opts = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}", s3_server["options"]
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(700_000, generator=g), "b": torch.randn(300, 1000, generator=g), "meta": {"k": 1}}
+    with Checkpointer(tmp_path / "up", remote=url, storage_options=opts, chunk_bytes=64 << 10) as ckpt:
+        ckpt.save(1, state)
+        ckpt.flush(timeout=60)
+    return Catalog(FsspecStorage(url, opts)), tmp_path / "up" / "step-0000000001", state
+
+
+def test_a_step_downloads_in_concurrent_spans_byte_identical(tmp_path, uploaded, monkeypatch):
+    remote, uploaded_dir, state = uploaded
+    manifest = remote.manifest(1)
+    data = [f for f in manifest["files"] if os.path.getsize(uploaded_dir / f) > SPAN]
+    assert data, "the test needs a file of several spans"
+    in_flight, most, lock = [0], [0], threading.Lock()
+    real_read_span = Catalog.read_span
+
+    def watched(self, *args, **kwargs):  # the real read, counted while it runs
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            time.sleep(0.02)  # a wider window than loopback's few milliseconds per request
+            return real_read_span(self, *args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(Catalog, "read_span", watched)
+    seen = []
+    moved = copy_step(remote, LocalStorage(str(tmp_path / "node")), 1, seen.append, workers=8)
+    assert most[0] > 1, "the spans were fetched one at a time"
+    got = tmp_path / "node" / "step-0000000001"
+    for name in manifest["files"]:
+        assert (got / name).read_bytes() == (uploaded_dir / name).read_bytes(), name
+    assert moved == sum(seen) == sum(r["bytes"] for r in manifest["files"].values())
+    assert not [n for n in os.listdir(got) if ".tmp-" in n]
+    target = {"a": torch.zeros(700_000), "b": torch.zeros(300, 1000), "meta": None}
+    with Checkpointer(tmp_path / "node") as ckpt:
+        assert ckpt.restore(target) == 1
+    assert torch.equal(target["a"], state["a"]) and torch.equal(target["b"], state["b"])
+    assert target["meta"] == {"k": 1}
+
+
+def test_a_bad_byte_in_a_middle_span_leaves_no_file_behind(tmp_path, uploaded, s3_server):
+    remote, uploaded_dir, _ = uploaded
+    name = max(remote.manifest(1)["files"], key=lambda f: os.path.getsize(uploaded_dir / f))
+    raw = bytearray((uploaded_dir / name).read_bytes())
+    at = len(raw) // 2
+    raw[at] ^= 0xFF
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **s3_server["options"])
+    fs.pipe(f"{remote.storage.url.removeprefix('s3://')}/step-0000000001/{name}", bytes(raw))
+    local = tmp_path / "node"
+    with pytest.raises(CheckpointCorruptError, match=name):
+        copy_step(remote, LocalStorage(str(local)), 1, workers=8)
+    step_dir = local / "step-0000000001"
+    left = os.listdir(step_dir) if step_dir.exists() else []
+    assert name not in left and not [n for n in left if ".tmp-" in n] and "manifest.json" not in left
