@@ -1,17 +1,17 @@
 """The remote tier against plain s3fs transfers and DCP's fsspec reader, on moto's S3 server
 (loopback), at 1 and 2 ranks on this one node.
 
-    python -m benchmarks.bench_remote [--gb 0.5] [--worlds 1,2] [--rounds 3] [--json PATH]
+    python -m benchmarks.bench_remote [--gb 0.5] [--worlds 1,2] [--rounds 3] [--json PATH] [--render PATH]
 
 Upload: time from a committed local checkpoint to the remote commit record (``flush``),
 against one plain ``s3fs`` put of the same bytes (the upload limit). Restore on a node
-with an empty disk (download + load, every rank until the slowest is done) against one
-plain ``s3fs`` get of the same bytes (the download limit: the node needs each byte once)
-and against ``torch.distributed.checkpoint.load`` with its fsspec reader from the same
-server. The get, resilient and DCP take turns in each round, in a rotating order, because
-the server shares this machine's cores and its speed drifts. At one rank, also the
-slowdown of a matmul training step while an upload runs.
-"""
+with an empty disk (download + load, every rank until the slowest is done) against the
+faster of two plain downloads of the same bytes (one get; 8 concurrent ranged gets): the
+download limit, since the node needs each byte once; and against
+``torch.distributed.checkpoint.load`` with its fsspec reader from the same server. The
+methods take turns in each round, in a rotating order, because the server shares this
+machine's cores and its speed drifts. At one rank, also the slowdown of a matmul training
+step while an upload runs."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from benchmarks.common import GB, mean_step_seconds
 from resilient.devservices import free_port
 
 PLAIN, PLAIN_RANGES, RESILIENT, DCP = "plain get", "plain ranged gets", "resilient", "dcp.load (FsspecReader)"
+PUT, UPLOAD = "plain put", "resilient flush"
 #: concurrent ranged GETs of the second download limit (resilient fetches a step's files, and
 #: the spans of each, with up to 8 requests in flight)
 STREAMS = 8
@@ -52,7 +53,8 @@ def _fingerprint(state: dict[str, Any]) -> float:
 
 
 def worker(args: dict[str, Any]) -> None:
-    """One rank: save and upload once, then ``rounds`` rounds of the three restores."""
+    """One rank: ``rounds`` rounds of the two uploads, then of the four restores (with the
+    plain downloads)."""
     from torch.distributed.checkpoint import load, save
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -72,19 +74,29 @@ def worker(args: dict[str, Any]) -> None:
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
     _on_rank0(rank, write_blob)
-    out: dict[str, Any] = {"rank": rank, "world": world, "nbytes": os.path.getsize(blob)}
-    out["put_s"] = _on_rank0(rank, lambda: _seconds(lambda: fs.put_file(blob, plain)))
+    out: dict[str, Any] = {"rank": rank, "world": world, "gb": args["gb"], "rounds": args["rounds"],
+                           "nbytes": os.path.getsize(blob)}
     url, dcp_url = args["url"], args["dcp_url"]  # the same on every rank
     node_root = os.path.join(work, "node")  # one directory: the ranks share this node's disk
+    uploads: dict[str, list[float]] = {PUT: [], UPLOAD: []}
     with Checkpointer(node_root, remote=url, storage_options=opts, rng=False) as ckpt:
-        ckpt.save(1, state).result()
-        out["upload_s"] = _timed_together(ckpt.flush)
+
+        def upload(step: int) -> float:
+            ckpt.save(step, state).result()  # committed locally; the upload is what is timed
+            return _timed_together(ckpt.flush)
+
+        for rnd in range(args["rounds"]):
+            for name in _rotated(list(uploads), rnd):
+                uploads[name].append(_timed_together(lambda: _on_rank0(rank, lambda: fs.put_file(blob, plain)))
+                                     if name == PUT else upload(rnd + 1))
         if world == 1:
-            ckpt.save(2, state).result()
+            ckpt.save(args["rounds"] + 1, state).result()
             idle = mean_step_seconds(lambda: False, 20)
             busy = mean_step_seconds(lambda: not ckpt._uploader.pending(), 10_000)
             out["slowdown"] = busy / idle
             ckpt.flush()
+    out["put_s"], out["upload_s"] = statistics.median(uploads[PUT]), statistics.median(uploads[UPLOAD])
+    out["upload_samples_s"] = uploads
     save(state, storage_writer=FsspecWriter(dcp_url, **opts))
 
     def restore_resilient(where: str) -> None:
@@ -140,9 +152,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=0.5, help="state size in GB (default: %(default)s)")
     p.add_argument("--worlds", default="1,2", help="ranks on this node, comma separated (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="restore rounds (median; default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the uploads, then of the restores (medians; default: %(default)s)")
     p.add_argument("--json", default=None, help="write the rows here as well")
+    p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
     a = p.parse_args()
+    if a.render:
+        with open(a.render) as f:
+            print(table(json.load(f)))
+        return
     from moto.server import ThreadedMotoServer
 
     from tests.launch import finish, start_ranks
@@ -176,10 +194,13 @@ def main() -> None:
                     json.dump(rows, f, indent=1)
     finally:
         server.stop()
-    print(f"\nstate {a.gb:g} GB, moto S3 server on 127.0.0.1, medians of {a.rounds} rounds\n")
-    print("| ranks | figure | resilient | limit or anchor | ratio |\n|---|---|---|---|---|")
-    for row in rows:
-        print(_rows(row))
+    print("\n" + table(rows))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"state {rows[0]['gb']:g} GB, moto S3 server on 127.0.0.1, medians of {rows[0]['rounds']} rounds\n\n"
+            "| ranks | figure | resilient | limit or anchor | ratio |\n|---|---|---|---|---|")
+    return "\n".join([head, *(_rows(row) for row in rows)])
 
 
 def _rows(row: dict[str, Any]) -> str:
