@@ -42,7 +42,7 @@ def copy_step(
     just the files the source holds (a node-local tier holds its own ranks' files).
     ``commit``: write the manifest last; without it the step stays uncommitted there.
     """
-    manifest = src.manifest(step)
+    manifest, record = src.manifest_and_record(step)
     sdir = step_dir_name(step)
     if not skip_present and commit and dst.exists(f"{sdir}/{MANIFEST}"):
         # The destination holds this step already: its copy stays until the new one is
@@ -96,7 +96,7 @@ def copy_step(
     else:
         total = sum(one(*item) for item in files)
     if commit:
-        commit_step(src, dst, step)
+        commit_step(src, dst, step, record)
     return total
 
 
@@ -162,10 +162,11 @@ def _replace_local(src: Catalog, dst: LocalStorage, step: int, progress: Callabl
     return total
 
 
-def commit_step(src: Catalog, dst: Storage, step: int) -> None:
-    """Write ``step``'s commit record (its manifest) on ``dst``: the last write of a copy."""
+def commit_step(src: Catalog, dst: Storage, step: int, record: bytes | None = None) -> None:
+    """Write ``step``'s commit record (its manifest; ``record`` when the copy read it
+    already) on ``dst``: the last write of a copy."""
     path = f"{step_dir_name(step)}/{MANIFEST}"
-    dst.write(path, [src.storage.read(path)])
+    dst.write(path, [record if record is not None else src.storage.read(path)])
     Catalog(dst).clear_bad(step)
 
 

@@ -303,3 +303,20 @@ def test_a_failing_upload_callback_does_not_stop_the_uploads(tmp_path, caplog):
     uploader.enqueue(4)
     with pytest.raises(RuntimeError, match="upload thread .* died"):
         uploader.flush(timeout=10)
+
+
+def test_remote_catalog_lists_only_committed_unmarked_steps(s3_server):
+    """The commit records of a remote's steps are checked side by side: a step without its
+    record and a step marked bad are left out, whatever order the answers come in."""
+    from resilient._catalog import Catalog
+    from resilient._storage import FsspecStorage
+
+    storage = FsspecStorage(s3_url(s3_server), s3_server["options"])
+    catalog = Catalog(storage)
+    assert catalog.committed_steps() == []  # no root yet
+    for step in range(1, 21):
+        storage.write(f"step-{step:010d}/rank-00000.data", [b"x"])
+        if step % 5:
+            storage.write(f"step-{step:010d}/manifest.json", [b"{}"])
+    catalog.mark_bad(7, "test")
+    assert catalog.committed_steps() == [s for s in range(1, 21) if s % 5 and s != 7]
