@@ -38,12 +38,13 @@ import json
 import logging
 import os
 import socket
+import threading
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, MutableMapping
 
 import torch
 
-from ._chunkio import ChunkedFile, batched
+from ._chunkio import ChunkedFile, ChunkRun, batched
 from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
@@ -246,6 +247,14 @@ class _Destination:
             shape=template.shape, stride=template.stride(), run_check=False,
         )
         return dest
+
+    @property
+    def moves_at_finish(self) -> bool:
+        """Whether ``finish`` copies bytes: into device memory (CUDA state) or into a
+        tensor that is not contiguous; not when the reads landed in place."""
+        if self.local.data_ptr() != self.buffer.data_ptr():
+            return True
+        return self.live is None and is_dtensor(self.value) and self.value.to_local().data_ptr() != self.buffer.data_ptr()
 
     def finish(self) -> None:
         if self.local.data_ptr() != self.buffer.data_ptr():
@@ -519,18 +528,24 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
     shared = sharing.names if sharing else set()
     copies: list[Task] = []
     reader: _Reader | None = None
+    finisher: _FinishWhenRead | None = None
     try:
         error: BaseException | None = None
         others: list[Future[None]] = []
         try:
             reader = _Reader(step_dir, manifest)
             reads: list[Task] = []
+            moved: dict[str, tuple[list[Task], list[Task]]] = {}
             for name, dest in destinations.items():
                 if name not in shared:
                     r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
                     reads += r
-                    copies += c
-            others = [pool.submit(task) for task in batched(reads)]
+                    if dest.moves_at_finish:
+                        moved[name] = (r, c)
+                    else:
+                        copies += c
+            finisher = _FinishWhenRead(moved, destinations)
+            others = [pool.submit(finisher.wrap(task)) for task in batched(reads)]
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
             error = exc
         if sharing is not None and sharing.group is not None:
@@ -545,17 +560,61 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
         if reader is not None:
             reader.close()
     in_place = shared if sharing is not None and sharing.group is None else set()
+    done = in_place | (finisher.finished if finisher is not None else set())
     with torch.no_grad():
         for task in copies:
             task()
         for name, dest in destinations.items():
-            if name not in in_place:  # a broadcast one is complete where it lives (its buffer is not)
+            if name not in done:  # a broadcast one is complete where it lives (its buffer is not)
                 dest.finish()
 
     # -- apply --------------------------------------------------------------------------------
     for entry in entries:
         entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict)
     return record.get("rng")
+
+
+class _FinishWhenRead:
+    """Finishes a destination whose bytes must still move (``moves_at_finish``: into device
+    memory, for CUDA state) in the read thread that completes its last read: its resharding
+    copies, then ``finish``. Why: finished only once every read of the checkpoint was done,
+    the copies to the device came after the disk was idle and added their whole time to
+    the restore; tensor by tensor, they overlap the reads still going."""
+
+    def __init__(self, moved: dict[str, tuple[list[Task], list[Task]]],
+                 destinations: dict[str, "_Destination"]) -> None:
+        self._moved, self._destinations = moved, destinations
+        self._owner = {id(read): name for name, (reads, _) in moved.items() for read in reads}
+        self._left = {name: len(reads) for name, (reads, _) in moved.items()}
+        self._lock = threading.Lock()
+        #: the destinations finished here (the rest are finished after the reads)
+        self.finished: set[str] = set()
+
+    def wrap(self, task: Task) -> Task:
+        """``task`` (a read, or a merged run of reads), then the finish of each destination
+        whose last read it was."""
+        members = task.reads if isinstance(task, ChunkRun) else [task]
+        names = [self._owner[id(m)] for m in members if id(m) in self._owner]
+        if not names:
+            return task
+
+        def read_then_finish() -> None:
+            task()
+            ready = []
+            with self._lock:
+                for name in names:
+                    self._left[name] -= 1
+                    if self._left[name] == 0:
+                        ready.append(name)
+            with torch.no_grad():
+                for name in ready:
+                    for copy in self._moved[name][1]:
+                        copy()
+                    self._destinations[name].finish()
+                    with self._lock:
+                        self.finished.add(name)
+
+        return read_then_finish
 
 
 def _runs_reads(reader: _Reader | None, runs: list[tuple[str, int, int, int]], mine: Callable[[int], bool],

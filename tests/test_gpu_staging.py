@@ -2,7 +2,8 @@
 device machine; skipped elsewhere). The staging buffer is page-locked at exactly its size
 (not rounded up to a power of two by torch's pinned allocator), and what an overlapped
 save commits, written as the side stream's copy comes, is exactly the state at ``save``
-although the optimizer step after it runs at once."""
+although the optimizer step after it runs at once; restored into CUDA tensors (each copied
+to the device by the read that completes it), it comes back exact."""
 
 from __future__ import annotations
 
