@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU measurement of overlapped staging (stall, D2H time, the next step and the time to
-# durable for 8 and 32 GB of state), as one command for the device machine:
+# durable for 8 and 32 GB of state) and of a restore into CUDA state (against a cold read
+# and the host-to-device copy, 8 GB), as one command for the device machine:
 #
 #   here:            bash scripts/gpu-wheels.sh      # the wheels its image lacks, into .whl/
 #   device `run`:    command "bash benchmarks/gpu_staging.sh", carry [".whl"], timeout_s 600
 #
-# Rows are printed and saved to $OUT/staging-cuda.json as they are measured, so a run cut
-# short keeps them. DEVICE=cpu SIZES=0.2 tries the script on a machine without a GPU.
+# Rows are printed and saved to $OUT/staging-cuda.json and $OUT/restore-cuda.json as they
+# are measured, so a run cut short keeps them. DEVICE=cpu SIZES=0.2 RESTORE_SIZES=0.2 tries
+# the script on a machine without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -26,8 +28,15 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/machine.txt"
 # first the GPU tests: exact-size locked staging memory, an overlapped save's correctness
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_staging.py 2>&1 | tee "$OUT/gpu-tests.log"
-timeout "${STAGING_TIMEOUT:-480}" python3 -m benchmarks.bench_staging --device "${DEVICE:-cuda}" \
+# the device run's 600 s, less set-up: staging first (the target), then restore into CUDA
+# state with what is left (at least RESTORE_S seconds kept for it)
+left() { echo $(( ${BUDGET:-570} - SECONDS )); }
+RESTORE_S=${RESTORE_S:-90}
+timeout "$(( $(left) - RESTORE_S ))" python3 -m benchmarks.bench_staging --device "${DEVICE:-cuda}" \
     --sizes "${SIZES:-8,32}" --dir "$DIR" --json "$OUT/staging-cuda.json" 2>&1 | tee "$OUT/staging-cuda.log"
 rc=${PIPESTATUS[0]}
+rm -rf "$DIR"; mkdir -p "$DIR"
+timeout "$(left)" python3 -m benchmarks.bench_restore_device --device "${DEVICE:-cuda}" \
+    --sizes "${RESTORE_SIZES:-8}" --dir "$DIR" --json "$OUT/restore-cuda.json" 2>&1 | tee "$OUT/restore-cuda.log"
 rm -rf "$DIR"
 exit "$rc"
