@@ -32,7 +32,7 @@ from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng
 from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
 from ._storage import LocalStorage, Storage, open_storage
-from ._transfer import copy_step, has_all_files
+from ._transfer import ProgressLog, copy_step, has_all_files
 from ._tree import Flattened, flatten_state
 from ._uploader import Uploader
 from ._faults import from_env as faults_from_env
@@ -646,7 +646,8 @@ class Checkpointer:
             if self._remote is None:
                 raise CheckpointCorruptError(f"files of step {step} are neither here nor in a peer's memory")
             t0 = time.perf_counter()
-            moved = copy_step(Catalog(self._remote), self._local_catalog.storage, step, skip_present=True,
+            moved = copy_step(Catalog(self._remote), self._local_catalog.storage, step,
+                              ProgressLog(f"fetching step {step} from {self._remote.url}"), skip_present=True,
                               workers=8)
             fetched[step] = "remote"
             log.info("resilient: fetched step %d from %s (%d bytes in %.2f s)", step, self._remote.url, moved,

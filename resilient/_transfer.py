@@ -9,9 +9,11 @@ complete, so a reader of the destination never sees a half-copied step as commit
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
@@ -21,7 +23,9 @@ from ._format import MANIFEST, step_dir_name
 from ._local import LocalTier
 from ._storage import LocalStorage, Storage
 
-__all__ = ["copy_step", "commit_step", "has_all_files"]
+__all__ = ["copy_step", "commit_step", "has_all_files", "ProgressLog"]
+
+log = logging.getLogger("resilient")
 
 
 def copy_step(
@@ -98,6 +102,27 @@ def copy_step(
     if commit:
         commit_step(src, dst, step, record)
     return total
+
+
+class ProgressLog:
+    """Logs how far a long copy has come, every ``EVERY_S`` seconds: a node restoring
+    hundreds of GB from an object store is otherwise silent for minutes. A copy shorter
+    than that logs nothing here (its caller logs its end). Calls come under one lock."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, what: str) -> None:
+        self.what, self.done = what, 0
+        self.start = time.monotonic()
+        self._next = self.start + self.EVERY_S
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.EVERY_S
+            log.info("resilient: %s: %.2f GB so far, %.2f GB/s", self.what, self.done / 1e9,
+                     self.done / 1e9 / max(now - self.start, 1e-9))
 
 
 def _locked(lock: threading.Lock, progress: Callable[[int], None], n: int) -> None:

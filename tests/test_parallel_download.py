@@ -83,3 +83,21 @@ def test_a_bad_byte_in_a_middle_span_leaves_no_file_behind(tmp_path, uploaded, s
     step_dir = local / "step-0000000001"
     left = os.listdir(step_dir) if step_dir.exists() else []
     assert name not in left and not [n for n in left if ".tmp-" in n] and "manifest.json" not in left
+
+
+def test_a_long_fetch_logs_its_progress(tmp_path, uploaded, s3_server, monkeypatch, caplog):
+    """A node restoring from the object store says how far it has come while it downloads
+    (every 10 s; here at every span), then how long the whole fetch took."""
+    from resilient._transfer import ProgressLog
+
+    monkeypatch.setattr(ProgressLog, "EVERY_S", 0.0)
+    remote, _, state = uploaded
+    target = {"a": torch.zeros(700_000), "b": torch.zeros(300, 1000), "meta": None}
+    caplog.set_level("INFO", logger="resilient")
+    with Checkpointer(tmp_path / "empty", remote=remote.storage.url, storage_options=s3_server["options"]) as ckpt:
+        assert ckpt.restore(target) == 1
+    assert torch.equal(target["a"], state["a"])
+    lines = [r.getMessage() for r in caplog.records]
+    progress = [m for m in lines if m.startswith("resilient: fetching step 1 from s3://") and "GB so far" in m]
+    assert len(progress) > 3, lines
+    assert any(m.startswith("resilient: fetched step 1 from s3://") for m in lines)
