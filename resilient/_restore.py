@@ -254,7 +254,8 @@ class _Destination:
         tensor that is not contiguous; not when the reads landed in place."""
         if self.local.data_ptr() != self.buffer.data_ptr():
             return True
-        return self.live is None and is_dtensor(self.value) and self.value.to_local().data_ptr() != self.buffer.data_ptr()
+        return (self.live is None and is_dtensor(self.value)
+                and self.value.to_local().data_ptr() != self.buffer.data_ptr())
 
     def finish(self) -> None:
         if self.local.data_ptr() != self.buffer.data_ptr():
