@@ -37,6 +37,6 @@ timeout "$(( $(left) - RESTORE_S ))" python3 -m benchmarks.bench_staging --devic
 rc=${PIPESTATUS[0]}
 rm -rf "$DIR"; mkdir -p "$DIR"
 timeout "$(left)" python3 -m benchmarks.bench_restore_device --device "${DEVICE:-cuda}" \
-    --sizes "${RESTORE_SIZES:-8}" --dir "$DIR" --json "$OUT/restore-cuda.json" 2>&1 | tee "$OUT/restore-cuda.log"
+    --sizes "${RESTORE_SIZES:-8}" --repeats 2 --dir "$DIR" --json "$OUT/restore-cuda.json" 2>&1 | tee "$OUT/restore-cuda.log"
 rm -rf "$DIR"
 exit "$rc"
