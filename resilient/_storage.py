@@ -9,8 +9,10 @@ and never appear in a message: errors name the URL, which carries none.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping, Protocol
 
@@ -79,7 +81,8 @@ class LocalStorage:
         half-written, and a failed block leaves nothing behind."""
         full = self._p(path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        tmp = f"{full}.tmp-{os.getpid()}"
+        _remove_abandoned(full)
+        tmp = f"{full}{_TMP}{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, size)
@@ -111,6 +114,34 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         return os.path.getsize(self._p(path))
+
+
+#: a temporary file's suffix before its writer's pid: the host's name too, because a
+#: local tier may be a shared filesystem, where a pid says nothing about another host's
+_TMP = f".tmp-{socket.gethostname()}-"
+
+
+def _remove_abandoned(full: str) -> None:
+    """Delete the temporary files of ``full`` left by this host's processes that died while
+    writing it (a download killed part-way): each is as large as the file, and nothing
+    else would ever remove them. A live process's file is left alone."""
+    for tmp in glob.glob(f"{glob.escape(full + _TMP)}*"):
+        pid = tmp[len(full + _TMP):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
 
 
 class FsspecStorage:

@@ -101,3 +101,48 @@ def test_a_long_fetch_logs_its_progress(tmp_path, uploaded, s3_server, monkeypat
     progress = [m for m in lines if m.startswith("resilient: fetching step 1 from s3://") and "GB so far" in m]
     assert len(progress) > 3, lines
     assert any(m.startswith("resilient: fetched step 1 from s3://") for m in lines)
+
+
+def test_a_download_killed_part_way_leaves_nothing_after_the_next_one(tmp_path, uploaded, s3_server):
+    """A process SIGKILLed while it downloads leaves its temporary file (as large as the data
+    file); the next download of that file, by a live process, removes it. Another live
+    process's temporary file is left alone."""
+    import signal
+    import subprocess
+    import sys
+
+    remote, uploaded_dir, _ = uploaded
+    node = tmp_path / "node"
+    script = (
+        "import sys, time\n"
+        "from resilient._catalog import Catalog\n"
+        "from resilient._storage import FsspecStorage, LocalStorage\n"
+        "from resilient._transfer import copy_step\n"
+        "real = Catalog.read_span\n"
+        "def slow(self, *a, **k):\n"
+        "    out = real(self, *a, **k)\n"
+        "    print('span', flush=True)\n"
+        "    time.sleep(60)  # killed here, its temporary file part-written\n"
+        "    return out\n"
+        "Catalog.read_span = slow\n"
+        f"copy_step(Catalog(FsspecStorage({remote.storage.url!r}, {s3_server['options']!r})), "
+        f"LocalStorage({str(node)!r}), 1, workers=1)\n"
+    )
+    from .launch import REPO
+
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        assert proc.stdout.readline().strip() == "span"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    step_dir = node / "step-0000000001"
+    left = [n for n in os.listdir(step_dir) if ".tmp-" in n]
+    assert left and all(n.endswith(f"-{proc.pid}") for n in left)
+    data = left[0].split(".tmp-")[0]
+    live = step_dir / f"{left[0].rsplit('-', 1)[0]}-1"  # pid 1 is alive: not ours to remove
+    live.write_bytes(b"x")
+    copy_step(remote, LocalStorage(str(node)), 1, skip_present=True, workers=8)
+    assert sorted(os.listdir(step_dir)) == sorted([*remote.manifest(1)["files"], "manifest.json", live.name])
+    assert (step_dir / data).read_bytes() == (uploaded_dir / data).read_bytes()
