@@ -320,7 +320,7 @@ class Checkpointer:
                 live = live_sessions(self._tier.root)  # this process's saves in flight are not leftovers
                 for path in self._tier.clean_leftovers(keep_sessions=live):
                     log.info("resilient: removed what an earlier run left (an uncommitted save, a deletion, a "
-                             "recycled file): %s", path)
+                             "recycled file, a download stopped part-way): %s", path)
             except StorageError as exc:
                 refused = exc
         self._claimed = claimed

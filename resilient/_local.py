@@ -103,10 +103,18 @@ class LocalTier:
             pass
 
     def clean_leftovers(self, keep_sessions: set[str]) -> list[str]:
-        """Delete abandoned pending saves and trash; returns what was removed (after putting
-        back a replaced step whose new copy never arrived)."""
+        """Delete abandoned pending saves, trash, and step directories without a commit
+        record; returns what was removed (after putting back a replaced step whose new copy
+        never arrived). Saves install a step directory whole, with its manifest, so one
+        without a manifest is a download that stopped part-way (a fetch from the remote
+        tier, a ``pull``): it is never committed, and nothing else would delete it."""
         self.put_back_replaced()  # never delete a set-aside copy whose replacement is missing
         removed = []
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if parse_step_dir(name) is not None and not os.path.exists(os.path.join(path, MANIFEST)):
+                _remove(path)
+                removed.append(path)
         for sub in (_PENDING, _TRASH, _RECYCLE):  # recycled files too: ranks may differ from the last run's
             base = os.path.join(self.root, sub)
             if not os.path.isdir(base):

@@ -146,3 +146,21 @@ def test_a_download_killed_part_way_leaves_nothing_after_the_next_one(tmp_path, 
     copy_step(remote, LocalStorage(str(node)), 1, skip_present=True, workers=8)
     assert sorted(os.listdir(step_dir)) == sorted([*remote.manifest(1)["files"], "manifest.json", live.name])
     assert (step_dir / data).read_bytes() == (uploaded_dir / data).read_bytes()
+
+
+def test_a_step_left_without_its_commit_record_is_removed_at_the_first_save(tmp_path, uploaded, caplog):
+    """A fetch stopped after its data files, before the commit record: that directory is
+    never committed and nothing else deletes it. The job's first save, which claims the
+    root, removes it; a committed step stays."""
+    remote, _, state = uploaded
+    node = tmp_path / "node"
+    copy_step(remote, LocalStorage(str(node)), 1, commit=False, workers=8)  # the files, no record
+    assert (node / "step-0000000001").is_dir() and not (node / "step-0000000001" / "manifest.json").exists()
+    caplog.set_level("INFO", logger="resilient")
+    with Checkpointer(node) as ckpt:
+        assert ckpt.latest() is None
+        ckpt.save(2, state)
+        ckpt.wait()
+    assert sorted(n for n in os.listdir(node) if n.startswith("step-")) == ["step-0000000002"]
+    assert any("a download stopped part-way" in r.getMessage() and "step-0000000001" in r.getMessage()
+               for r in caplog.records)
