@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping, TypeVar
 
 import torch
 
@@ -103,6 +103,38 @@ def _env_flag(name: str, default: bool) -> bool:
     except KeyError:
         raise ValueError(f"environment variable {name}={raw!r} is not a flag (1/0, true/false, "
                          f"yes/no, on/off)") from None
+
+
+T = TypeVar("T")
+
+#: errors of a store that another try will not mend: a missing object, no permission, this
+#: disk full or read-only
+_PERMANENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
+def _transient(exc: BaseException) -> bool:
+    """A store failure worth another try (refused or reset connections, timeouts, 5xx)."""
+    return (isinstance(exc, OSError) and not isinstance(exc, (FileNotFoundError, PermissionError, ResilientError))
+            and exc.errno not in _PERMANENT_ERRNOS)
+
+
+def _retried(what: str, action: Callable[[], T], wait_s: float, transient: Callable[[BaseException], bool]) -> T:
+    """``action()``, tried again with exponential backoff (0.5 s doubling, at most 10 s)
+    while it fails with a ``transient`` error and ``wait_s`` seconds have not passed. Why:
+    restore runs once, at a start, and one refused connection then must not mean "no
+    checkpoint" (a run started from scratch) or an older one."""
+    deadline, delay = time.monotonic() + wait_s, 0.5
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            left = deadline - time.monotonic()
+            if not transient(exc) or left <= 0:
+                raise
+            log.warning("resilient: %s failed (%s: %s); retrying in %.1f s, for up to %.0f s more",
+                        what, type(exc).__name__, exc, min(delay, left), left)
+        time.sleep(min(delay, max(left, 0.0)))
+        delay = min(delay * 2, 10.0)
 
 
 def _refuse_different_remotes(urls: list[object]) -> None:
@@ -574,6 +606,30 @@ class Checkpointer:
             log.warning("resilient: remote tier %s unreachable: %s: %s", self._remote.url, type(exc).__name__, exc)
             return []
 
+    def _agreed_remote_steps(self) -> tuple[list[int], str | None]:
+        """(steps committed on the remote tier, why it could not be listed): listed by rank
+        0 alone and given to every rank, so that all take one decision from one answer, and
+        a job of a thousand ranks asks the store once, not a thousand times (a store
+        throttling some of them would have left those ranks with no steps, and ``agree_min``
+        would then have restored nothing). An unreachable store is retried with backoff for
+        up to ``RESILIENT_REMOTE_WAIT`` seconds (default 60)."""
+        if self._remote is None:
+            return [], None
+        answer: tuple[list[int], str | None] | None = None
+        if self._coord.rank == 0:
+            answer = self._list_remote(_env_float("RESILIENT_REMOTE_WAIT", 60.0))
+        got = self._coord.all_gather(answer)[0]
+        assert isinstance(got, tuple)
+        return got
+
+    def _list_remote(self, wait_s: float) -> tuple[list[int], str | None]:
+        assert self._remote is not None
+        remote = Catalog(self._remote)
+        try:
+            return _retried(f"listing {self._remote.url}", remote.committed_steps, wait_s, lambda exc: True), None
+        except Exception as exc:  # noqa: BLE001 - any store failure, reported to every rank
+            return [], f"{type(exc).__name__}: {exc}"  # never the storage options
+
     def _memory_steps(self) -> set[int]:
         return self._memory.steps() if self._memory is not None else set()
 
@@ -646,9 +702,12 @@ class Checkpointer:
             if self._remote is None:
                 raise CheckpointCorruptError(f"files of step {step} are neither here nor in a peer's memory")
             t0 = time.perf_counter()
-            moved = copy_step(Catalog(self._remote), self._local_catalog.storage, step,
-                              ProgressLog(f"fetching step {step} from {self._remote.url}"), skip_present=True,
-                              workers=8)
+            what = f"fetching step {step} from {self._remote.url}"
+            remote, local = Catalog(self._remote), self._local_catalog.storage
+            # a retry keeps the files already complete (skip_present)
+            moved = _retried(what, lambda: copy_step(remote, local, step, ProgressLog(what), skip_present=True,
+                                                     workers=8),
+                             _env_float("RESILIENT_REMOTE_WAIT", 60.0), _transient)
             fetched[step] = "remote"
             log.info("resilient: fetched step %d from %s (%d bytes in %.2f s)", step, self._remote.url, moved,
                      time.perf_counter() - t0)
@@ -686,8 +745,12 @@ class Checkpointer:
         fetched_steps: dict[int, str] = {}  # step -> tier it was completed from
         touched = False  # a failed load may have written into the state already
         refetched: set[int] = set()  # steps whose damaged local copy was replaced from remote
+        remote_steps, remote_error = self._agreed_remote_steps()
+        if remote_error is not None:
+            log.warning("resilient: remote tier %s unreachable: %s; restoring from what this node and its "
+                        "peers hold", self._remote.url if self._remote else None, remote_error)
         while True:
-            steps = sorted((set(self._tier.committed_steps()) | set(self._remote_steps()) | self._memory_steps())
+            steps = sorted((set(self._tier.committed_steps()) | set(remote_steps) | self._memory_steps())
                            - self._bad_steps)
             if ceiling is not None:
                 steps = [s for s in steps if s < ceiling]
@@ -702,6 +765,15 @@ class Checkpointer:
                     )
                 raise StateError(f"step {wanted} is not a committed checkpoint in {self.root!r} "
                                  f"(newest: {self.latest()})")
+            if step < 0 and remote_error is not None and not touched:
+                # nothing here, and the remote tier, which may hold the run's checkpoints, did
+                # not answer: starting from scratch would silently throw the run away
+                raise StorageError(
+                    errno.EHOSTUNREACH,
+                    f"no checkpoint on the local tier of {self.root!r}, and the remote tier {self._remote.url} "
+                    f"could not be listed for RESILIENT_REMOTE_WAIT seconds ({remote_error}): not starting "
+                    "from scratch. Restore once the store answers, or without remote= to start afresh"
+                )
             if step < 0:
                 if touched:
                     raise CheckpointCorruptError(
@@ -743,7 +815,7 @@ class Checkpointer:
                 )
             if verdict == 1:
                 where = self._tier.step_dir(step)
-                if step not in refetched and coord.agree_min(int(step in self._remote_steps())):
+                if step not in refetched and step in remote_steps:  # the same on every rank
                     # the local copy is damaged but the remote tier has the step: replace the
                     # local copy from there and try the same step again
                     log.warning("resilient: local checkpoint %s unusable (%s); fetching it again from %s",

@@ -114,6 +114,8 @@ class FlakyFS(MemoryFileSystem):
     protocol = "flaky"
     broken = False
     calls_failed = 0
+    fail_next = 0  # fail this many calls more, then answer
+    fail_next_data_reads = 0  # the same, counting only reads of data files
     _errors = [ConnectionRefusedError("injected: connection refused"), OSError("injected: 503 SlowDown"),
                TimeoutError("injected: read timed out")]
 
@@ -124,7 +126,10 @@ def _failing(name):
     inner = getattr(MemoryFileSystem, name)
 
     def method(self, *a, **k):
-        if FlakyFS.broken:
+        data_read = name == "cat_file" and str(a[0]).endswith(".data") and FlakyFS.fail_next_data_reads > 0
+        if FlakyFS.broken or FlakyFS.fail_next > 0 or data_read:
+            FlakyFS.fail_next = max(0, FlakyFS.fail_next - 1)
+            FlakyFS.fail_next_data_reads -= int(data_read)
             FlakyFS.calls_failed += 1
             raise FlakyFS._errors[FlakyFS.calls_failed % 3]
         return inner(self, *a, **k)
@@ -139,9 +144,9 @@ for _name in ("_open", "cat_file", "ls", "info"):  # every read, write and listi
 @pytest.fixture
 def flaky():
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
-    FlakyFS.broken, FlakyFS.calls_failed = False, 0
+    FlakyFS.broken, FlakyFS.calls_failed, FlakyFS.fail_next, FlakyFS.fail_next_data_reads = False, 0, 0, 0
     yield f"flaky://run-{uuid.uuid4().hex[:6]}"
-    FlakyFS.broken = False
+    FlakyFS.broken, FlakyFS.fail_next, FlakyFS.fail_next_data_reads = False, 0, 0
 
 
 def test_fault_injected_store_retries_and_catches_up_in_order(tmp_path, flaky, caplog):
@@ -320,3 +325,49 @@ def test_remote_catalog_lists_only_committed_unmarked_steps(s3_server):
             storage.write(f"step-{step:010d}/manifest.json", [b"{}"])
     catalog.mark_bad(7, "test")
     assert catalog.committed_steps() == [s for s in range(1, 21) if s % 5 and s != 7]
+
+
+def _saved_remotely(root, url, steps=(1, 2)):
+    with Checkpointer(root, remote=url, keep=None) as ckpt:
+        for step in steps:
+            ckpt.save(step, {"x": torch.full((1000,), float(step))})
+        ckpt.flush(timeout=60)
+
+
+def test_restore_waits_out_an_unreachable_remote_tier_then_resumes_its_newest_step(tmp_path, flaky, caplog):
+    """The store refuses the first calls of a restore on an empty disk (listing, then two
+    reads of the data): the restore retries and resumes the newest step, not step 0."""
+    _saved_remotely(tmp_path / "a", flaky)
+    FlakyFS.fail_next, FlakyFS.fail_next_data_reads = 3, 2
+    target = {"x": torch.zeros(1000)}
+    with Checkpointer(tmp_path / "empty", remote=flaky) as ckpt:
+        assert ckpt.restore(target) == 2
+    assert torch.equal(target["x"], torch.full((1000,), 2.0))
+    assert FlakyFS.fail_next == 0 and FlakyFS.fail_next_data_reads == 0
+    retries = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert any(m.startswith("resilient: listing flaky://") for m in retries), retries
+    assert any(m.startswith("resilient: fetching step 2 from flaky://") for m in retries), retries
+    assert not any("skipping checkpoint" in r.getMessage() for r in caplog.records)
+
+
+def test_restore_with_the_remote_tier_down_refuses_to_start_from_scratch(tmp_path, flaky, monkeypatch, caplog):
+    """Nothing on this node and a store that does not answer for RESILIENT_REMOTE_WAIT:
+    restore raises, naming the store, instead of returning 0 (a run silently restarted).
+    With a step on this node, it restores that one and says the store was unreachable."""
+    from resilient import StorageError
+
+    _saved_remotely(tmp_path / "a", flaky)
+    monkeypatch.setenv("RESILIENT_REMOTE_WAIT", "1")
+    FlakyFS.broken = True
+    with Checkpointer(tmp_path / "empty", remote=flaky) as ckpt:
+        with pytest.raises(StorageError, match=f"remote tier {flaky} could not be listed.*not starting from scratch"):
+            ckpt.restore({"x": torch.zeros(1000)})
+        FlakyFS.broken = False  # so that closing does not wait for the store
+    FlakyFS.broken = True
+    target = {"x": torch.zeros(1000)}
+    with Checkpointer(tmp_path / "a", remote=flaky) as ckpt:  # this node holds steps 1 and 2
+        assert ckpt.restore(target) == 2
+        FlakyFS.broken = False
+    assert torch.equal(target["x"], torch.full((1000,), 2.0))
+    assert any("unreachable" in r.getMessage() and "restoring from what this node" in r.getMessage()
+               for r in caplog.records)
