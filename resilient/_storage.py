@@ -45,6 +45,10 @@ class Storage(Protocol):
 
     def size(self, path: str) -> int: ...
 
+    def sizes(self, path: str = "") -> dict[str, int]:
+        """The files directly under ``path`` and their sizes, in one listing (an object
+        store answers for a thousand files at once, where ``size`` asks once per file)."""
+
 
 def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
@@ -114,6 +118,13 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         return os.path.getsize(self._p(path))
+
+    def sizes(self, path: str = "") -> dict[str, int]:
+        try:
+            with os.scandir(self._p(path)) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        except NotADirectoryError:
+            raise FileNotFoundError(f"{self._p(path)} is not a directory") from None
 
 
 #: a temporary file's suffix before its writer's pid: the host's name too, because a
@@ -201,6 +212,14 @@ class FsspecStorage:
             return int(self.fs.size(self._p(path)))
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.url}/{path}") from None
+
+    def sizes(self, path: str = "") -> dict[str, int]:
+        try:
+            entries = self.fs.ls(self._p(path), detail=True, refresh=True)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.url}/{path}".rstrip("/")) from None
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+                for e in entries if e.get("type") == "file"}
 
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:

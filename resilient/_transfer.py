@@ -62,12 +62,15 @@ def copy_step(
         dst.delete(f"{sdir}/{MANIFEST}")  # re-copying a step: uncommit the old copy first
     lock = threading.Lock()
     report = None if progress is None else functools.partial(_locked, lock, progress)
+    # what each side holds, one listing each (not two requests per file)
+    present = _sizes(dst, sdir) if skip_present else {}
+    available = _sizes(src.storage, sdir) if only_present else {}
 
     def one(fname: str, record: dict) -> int:
         path = f"{sdir}/{fname}"
-        if skip_present and dst.exists(path) and dst.size(path) == record["bytes"]:
+        if skip_present and present.get(fname) == record["bytes"]:
             return 0
-        if only_present and not src.storage.exists(path):
+        if only_present and fname not in available:
             return 0
 
         def stream() -> Iterator[memoryview]:
@@ -197,9 +200,15 @@ def commit_step(src: Catalog, dst: Storage, step: int, record: bytes | None = No
 
 
 def has_all_files(catalog: Catalog, manifest: dict) -> bool:
-    """Whether every data file of ``manifest`` is on ``catalog``'s storage at its size."""
-    sdir = step_dir_name(manifest["step"])
+    """Whether every data file of ``manifest`` is on ``catalog``'s storage at its size (one
+    listing: rank 0 asks this of the object store until every node's files are up)."""
+    sizes = _sizes(catalog.storage, step_dir_name(manifest["step"]))
+    return all(sizes.get(f) == r["bytes"] for f, r in manifest["files"].items())
+
+
+def _sizes(storage: Storage, path: str) -> dict[str, int]:
+    """``storage.sizes(path)``; empty where ``path`` does not exist."""
     try:
-        return all(catalog.storage.size(f"{sdir}/{f}") == r["bytes"] for f, r in manifest["files"].items())
+        return storage.sizes(path)
     except FileNotFoundError:
-        return False
+        return {}

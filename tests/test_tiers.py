@@ -371,3 +371,25 @@ def test_restore_with_the_remote_tier_down_refuses_to_start_from_scratch(tmp_pat
     assert torch.equal(target["x"], torch.full((1000,), 2.0))
     assert any("unreachable" in r.getMessage() and "restoring from what this node" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_step_counts_as_complete_only_with_every_file_at_its_size(tmp_path, s3_server, where):
+    """One listing tells whether every file of a step is there (what rank 0 asks the store
+    until every node's files are up): a missing file or one of another size says no."""
+    from resilient._catalog import Catalog
+    from resilient._storage import FsspecStorage, LocalStorage
+    from resilient._transfer import has_all_files
+
+    storage = (LocalStorage(str(tmp_path / "tier")) if where == "local"
+               else FsspecStorage(s3_url(s3_server), s3_server["options"]))
+    catalog = Catalog(storage)
+    manifest = {"step": 3, "files": {"rank-00000.data": {"bytes": 5}, "rank-00001.data": {"bytes": 3}}}
+    assert not has_all_files(catalog, manifest)  # no step directory at all
+    storage.write("step-0000000003/rank-00000.data", [b"12345"])
+    assert not has_all_files(catalog, manifest)  # one file missing
+    storage.write("step-0000000003/rank-00001.data", [b"1234"])
+    assert not has_all_files(catalog, manifest)  # one file of another size
+    storage.write("step-0000000003/rank-00001.data", [b"123"])
+    assert has_all_files(catalog, manifest)
+    assert storage.sizes("step-0000000003") == {"rank-00000.data": 5, "rank-00001.data": 3}
