@@ -590,15 +590,15 @@ class Checkpointer:
         if not newest:
             return
         # every rank returns only once the remote commit record of the newest step exists.
-        # Every rank asks the store, so the asking slows down (0.2 s growing to about 2 s,
+        # Every rank asks the store, so the asking slows down (0.2 s growing to about 1 s,
         # jittered): a thousand ranks at a fixed 0.2 s would be 5,000 requests a second for
-        # as long as the upload takes, which a bucket throttles (and bills).
+        # as long as the upload takes, which a bucket throttles (and bills); at 1 s, 1,000.
         remote, pause = Catalog(self._remote), 0.2
         while not remote.is_committed(newest[-1]):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"step {newest[-1]} not committed on {self._remote.url} after {timeout} s")
             time.sleep(pause * random.uniform(0.8, 1.2))
-            pause = min(pause * 1.5, 2.0)
+            pause = min(pause * 1.5, 1.0)
 
     # -- reading ----------------------------------------------------------------------------
     def _remote_steps(self) -> list[int]:
