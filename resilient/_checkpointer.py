@@ -605,11 +605,10 @@ class Checkpointer:
         """Steps committed on the remote tier; empty (with a warning) when it is unreachable."""
         if self._remote is None:
             return []
-        try:
-            return Catalog(self._remote).committed_steps()
-        except Exception as exc:
-            log.warning("resilient: remote tier %s unreachable: %s: %s", self._remote.url, type(exc).__name__, exc)
-            return []
+        steps, error = self._list_remote(0.0)  # one try: latest() answers at once
+        if error is not None:
+            log.warning("resilient: remote tier %s unreachable: %s", self._remote.url, error)
+        return steps
 
     def _agreed_remote_steps(self) -> tuple[list[int], str | None]:
         """(steps committed on the remote tier, why it could not be listed): listed by rank
@@ -762,6 +761,16 @@ class Checkpointer:
             if wanted is not None:
                 steps = [s for s in steps if s == wanted]
             step = coord.agree_min(steps[-1] if steps else -1)
+            if step < 0 and remote_error is not None and not touched:
+                # nothing here, and the remote tier, which may hold the run's checkpoints, did
+                # not answer: starting from scratch would silently throw the run away
+                raise StorageError(
+                    errno.EHOSTUNREACH,
+                    f"no checkpoint{'' if wanted is None else f' of step {wanted}'} on the local tier of "
+                    f"{self.root!r}, and the remote tier {self._remote.url} "
+                    f"could not be listed for RESILIENT_REMOTE_WAIT seconds ({remote_error}): not starting "
+                    "from scratch. Restore once the store answers, or without remote= to start afresh"
+                )
             if step < 0 and wanted is not None:
                 if wanted in self._bad_steps:
                     raise CheckpointCorruptError(
@@ -770,15 +779,6 @@ class Checkpointer:
                     )
                 raise StateError(f"step {wanted} is not a committed checkpoint in {self.root!r} "
                                  f"(newest: {self.latest()})")
-            if step < 0 and remote_error is not None and not touched:
-                # nothing here, and the remote tier, which may hold the run's checkpoints, did
-                # not answer: starting from scratch would silently throw the run away
-                raise StorageError(
-                    errno.EHOSTUNREACH,
-                    f"no checkpoint on the local tier of {self.root!r}, and the remote tier {self._remote.url} "
-                    f"could not be listed for RESILIENT_REMOTE_WAIT seconds ({remote_error}): not starting "
-                    "from scratch. Restore once the store answers, or without remote= to start afresh"
-                )
             if step < 0:
                 if touched:
                     raise CheckpointCorruptError(
