@@ -75,6 +75,17 @@ class Spec:
     monitor_interval: float
 
 
+def reexec_in_loopback_netns(module: str, argv: list[str]) -> None:
+    """Run ``python -m module argv`` again in a network namespace of its own with only
+    loopback up (see NETNS_ENV); returns only where that cannot be done (not root, no
+    ``unshare``), and the run goes on here."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return
+    env = {**os.environ, NETNS_ENV: "1"}
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", module, *argv])
+    os.execvpe("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"], env)
+
+
 def raise_fd_limit() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -597,11 +608,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.render) as f:
             print(render(json.load(f)))
         return
-    if args.netns and os.environ.get(NETNS_ENV) != "1" and os.geteuid() == 0 and shutil.which("unshare"):
-        # see NETNS_ENV: the whole simulation (etcd, stores, agents) moves to a loopback-only namespace
-        env = {**os.environ, NETNS_ENV: "1"}
-        command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "benchmarks.bench_scale", *(argv or sys.argv[1:])])
-        os.execvpe("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"], env)
+    if args.netns and os.environ.get(NETNS_ENV) != "1":
+        reexec_in_loopback_netns("benchmarks.bench_scale", argv or sys.argv[1:])
     hard = raise_fd_limit()
     from resilient.devservices import EtcdCluster, EtcdServer, free_port
 

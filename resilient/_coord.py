@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["Coordinator", "SoloCoordinator", "GroupCoordinator", "make_coordinator"]
+__all__ = ["Coordinator", "SoloCoordinator", "StoreCoordinator", "GroupCoordinator", "make_coordinator"]
 
 
 class Markers(Protocol):
@@ -98,30 +98,56 @@ class SoloCoordinator(Coordinator):
         self._values.pop(key, None)
 
 
-class GroupCoordinator(Coordinator):
+class StoreCoordinator(Coordinator):
+    """The store half: ranks that know who they are and share a key-value store. A
+    ``GroupCoordinator`` is one once its collectives have settled who leads; the commit
+    benchmark builds thousands of them, one per simulated rank, on one real store."""
+
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, leader: int, leaders: list[int],
+                 session: str) -> None:
+        self._store = store
+        self.rank, self.world_size, self.leader, self.leaders, self.session = (
+            rank, world_size, leader, leaders, session)
+
+    def publish(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def collect(self, keys: list[str], timeout: float) -> list[bytes]:
+        self._store.wait(keys, timedelta(seconds=timeout))
+        return [self._store.get(k) for k in keys]
+
+    def forget(self, key: str) -> None:
+        try:
+            self._store.delete_key(key)
+        except Exception:  # a store without delete support just keeps a few bytes
+            pass
+
+
+class GroupCoordinator(StoreCoordinator):
     def __init__(self, group: dist.ProcessGroup | None, markers: Markers) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        world_size = dist.get_world_size(group)
         backend = dist.get_backend(group)
         self._device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
         self.tensor_device = self._device.type
-        box = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        box = [uuid.uuid4().hex[:12] if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        self.session = str(box[0])
+        session = str(box[0])
         # Ranks that see each other's marker files share storage; the lowest one commits.
         # This is right for one machine, for node-local disks, and for a shared filesystem.
-        markers.write_marker(self.session, self.rank)
+        markers.write_marker(session, rank)
         self.barrier()
-        self.leader = min(markers.visible_markers(self.session))
+        leader = min(markers.visible_markers(session))
         self.barrier()
-        markers.remove_marker(self.session, self.rank)
-        everyone: list[int | None] = [None] * self.world_size
-        dist.all_gather_object(everyone, self.leader, group=group)
-        self.leaders = sorted({int(x) for x in everyone if x is not None})
-        self._store = dist.PrefixStore(f"resilient/{self.session}/", _own_connection(_default_store()))
+        markers.remove_marker(session, rank)
+        everyone: list[int | None] = [None] * world_size
+        dist.all_gather_object(everyone, leader, group=group)
+        super().__init__(dist.PrefixStore(f"resilient/{session}/", _own_connection(_default_store())),
+                         rank=rank, world_size=world_size, leader=leader,
+                         leaders=sorted({int(x) for x in everyone if x is not None}), session=session)
 
     def _reduce(self, value: int, op: dist.ReduceOp) -> int:
         return self._reduce_many([value], op)[0]
@@ -151,19 +177,6 @@ class GroupCoordinator(Coordinator):
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
                               group=self.group, async_op=True)
-
-    def publish(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
-
-    def collect(self, keys: list[str], timeout: float) -> list[bytes]:
-        self._store.wait(keys, timedelta(seconds=timeout))
-        return [self._store.get(k) for k in keys]
-
-    def forget(self, key: str) -> None:
-        try:
-            self._store.delete_key(key)
-        except Exception:  # a store without delete support just keeps a few bytes
-            pass
 
 
 def _default_store() -> dist.Store:

@@ -14,7 +14,6 @@ save uncommitted: the previous checkpoint stays the newest.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -28,14 +27,15 @@ import torch
 
 from ._background import yield_to_training
 from ._chunkio import fsync_dir, write_chunked
+from ._commit import commit_together
 from ._coord import Coordinator
 from ._errors import CommitError
-from ._format import FORMAT, VERSION, data_file_name, encode_manifest
+from ._format import data_file_name
 from ._local import LocalTier
 from ._fence import SnapshotDone
 from ._snapshot import RankPlan
 
-__all__ = ["SaveHandle", "SaveJob", "BackgroundWriter", "assemble_manifest"]
+__all__ = ["SaveHandle", "SaveJob", "BackgroundWriter"]
 
 log = logging.getLogger("resilient")
 
@@ -94,61 +94,6 @@ class SaveJob:
     rng: dict[str, Any] | None
     handle: SaveHandle
     snapshot: SnapshotDone  # when ``buffer`` is final: the copy may still be running
-
-
-def assemble_manifest(step: int, reports: list[dict[str, Any]], codec: str) -> dict[str, Any]:
-    """Merge every rank's report into one manifest; raise CommitError on disagreement."""
-    failures = {r["rank"]: r["error"] for r in reports if "error" in r}
-    if failures:
-        raise CommitError(step, failures)
-    first = reports[0]
-    for r in reports[1:]:
-        if r["signature"] != first["signature"]:
-            keys = sorted(set(r["meta"]) ^ set(first["meta"])) or sorted(
-                k for k in r["meta"] if r["meta"][k] != first["meta"].get(k)
-            )
-            raise CommitError(
-                step,
-                {r["rank"]: f"its state differs from rank {first['rank']}'s at {keys[:5]} "
-                 "(every rank must save the same names, shapes and dtypes)"},
-            )
-    tensors: dict[str, dict[str, Any]] = {}
-    replicated: dict[str, list[list[Any]]] = {}
-    for name, meta in first["meta"].items():
-        tensors[name] = {**meta, "boxes": []}
-        if meta["layout"] == "replicated" and "same_as" not in meta:
-            replicated[name] = []
-    files: dict[str, Any] = {}
-    for r in reports:
-        if r["file"] is not None:
-            files[r["file"]] = r["record"]
-        for name, start, length, offset in r["replicated"]:
-            replicated[name].append([start, r["file"], offset, length])
-        for name, offsets, sizes, offset, nbytes in r["shards"]:
-            tensors[name]["boxes"].append(
-                {"offsets": offsets, "sizes": sizes, "pieces": [[r["file"], offset, nbytes]]}
-            )
-    for name, parts in replicated.items():
-        parts.sort(key=lambda p: p[0])
-        shape = tensors[name]["shape"]
-        tensors[name]["boxes"] = [
-            {"offsets": [0] * len(shape), "sizes": shape, "pieces": [[f, o, n] for _, f, o, n in parts]}
-        ]
-    for name, meta in tensors.items():  # tied tensors: written once, every name finds the pieces
-        if "same_as" in meta:
-            meta["boxes"] = tensors[meta["same_as"]]["boxes"]
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "world_size": len(reports),
-        "created": time.time(),
-        "torch_version": torch.__version__.split("+")[0],
-        "codec": codec,
-        "files": files,
-        "tensors": tensors,
-        "ranks": [{"tree": r["tree"], "rng": r["rng"]} for r in reports],
-    }
 
 
 class BackgroundWriter:
@@ -253,51 +198,18 @@ class BackgroundWriter:
         }
 
     def _process(self, job: SaveJob) -> None:
-        coord, seq = self.coord, job.seq
-        pending = self.tier.pending_dir(coord.session, seq)
+        pending = self.tier.pending_dir(self.coord.session, job.seq)
         try:
             report = self._write_rank_file(job, pending)
             if self.written is not None:
                 self.written(job.step)
         except Exception as exc:
-            report = {"rank": coord.rank, "error": f"{type(exc).__name__}: {exc}"}
-        coord.publish(f"{seq}/report/{coord.rank}", json.dumps(report).encode())
-        if coord.is_leader:
-            self._commit_as_leader(job, pending)
-        outcomes = self._collect(job, [f"{seq}/outcome/{r}" for r in coord.leaders], "the commit")
-        coord.forget(f"{seq}/report/{coord.rank}")
-        failures: dict[int, str] = {}
-        for raw in outcomes:
-            failures.update({int(k): v for k, v in json.loads(raw)["failures"].items()})
-        if failures:
-            raise CommitError(job.step, failures)
+            report = {"rank": self.coord.rank, "error": f"{type(exc).__name__}: {exc}"}
 
-    def _commit_as_leader(self, job: SaveJob, pending: str) -> None:
-        coord, seq = self.coord, job.seq
-        failures: dict[int, str] = {}
-        try:
-            raws = self._collect(job, [f"{seq}/report/{r}" for r in range(coord.world_size)], "every rank's files")
-            job.handle._mark("reports")
-            manifest = assemble_manifest(job.step, [json.loads(r) for r in raws], self.codec)
+        def commit(manifest: bytes) -> None:
             if self.authorize is not None:
                 self.authorize(job.step)
-            self.tier.commit(pending, job.step, encode_manifest(manifest))
-            job.handle._mark("manifest")
-        except CommitError as exc:
-            failures = exc.failures
-        except Exception as exc:
-            failures = {coord.rank: f"{type(exc).__name__}: {exc}"}
-        if failures:
-            self.tier.discard(pending)
-        coord.publish(f"{seq}/outcome/{coord.rank}", json.dumps({"failures": failures}).encode())
-        coord.forget(f"{seq - 1}/outcome/{coord.rank}")
+            self.tier.commit(pending, job.step, manifest)
 
-    def _collect(self, job: SaveJob, keys: list[str], what: str) -> list[bytes]:
-        try:
-            return self.coord.collect(keys, self.commit_timeout)
-        except Exception as exc:
-            raise CommitError(
-                job.step,
-                {self.coord.rank: f"timed out after {self.commit_timeout:.0f} s waiting for {what} "
-                 f"(is a rank dead?): {exc}"},
-            ) from exc
+        commit_together(self.coord, job.seq, job.step, report, codec=self.codec, timeout=self.commit_timeout,
+                        commit=commit, discard=lambda: self.tier.discard(pending), mark=job.handle._mark)

@@ -1,0 +1,226 @@
+"""The commit of a save at scale, simulated on one machine: nodes x ranks against one real store.
+
+    python -m benchmarks.bench_commit_scale [--nodes 8,32,128] [--ranks-per-node 8]
+                                            [--tensors 100] [--saves 5] [--procs 8]
+                                            [--json PATH] [--render PATH]
+
+What a save costs once every rank's file is written: the reports, the manifest, the
+leaders' commits and the outcomes, which is all that grows with the number of ranks. Each
+simulated rank is a thread running resilient's own commit protocol
+(``resilient._commit.commit_together``) over a client connection of its own to one
+``TCPStore``, hosted by this process as the rank-0 agent hosts it in a real job. The ranks
+are spread over ``--procs`` processes; the first rank of each node is its leader (node-local
+disks) and writes the manifest it commits to a file in /dev/shm (the disk's part of a commit
+is measured by ``bench_checkpoint``). Each rank reports what an FSDP rank reports: a shard of
+each of ``--tensors`` parameters and of their two Adam moments, a data file of 16 MB chunks
+(1 GB per rank) and the state's tree.
+
+Figures per size, medians over ``--saves`` saves, every rank starting its part at one
+instant: **commit** (from then until the last rank knows the outcome), **store host CPU**
+(this process's CPU over the saves: the store's thread, since the driver sleeps), and the
+**manifest** each leader writes. Where a size cannot run here (threads, ports, memory), the
+error says which limit stopped it and the table shows the sizes up to there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from benchmarks.bench_scale import NETNS_ENV, process_cpu_s, raise_fd_limit, reexec_in_loopback_netns
+
+CHUNK = 16 << 20
+RANK_BYTES = 1 << 30
+TIMEOUT_S = 300.0
+SHM = "/dev/shm/resilient-commit-bench"
+
+
+@dataclass
+class Case:
+    port: int
+    nodes: int
+    per_node: int
+    tensors: int
+    indices: list[int]
+
+
+def fsdp_report(rank: int, world: int, tensors: int) -> dict[str, Any]:
+    """What rank ``rank`` of ``world`` reports after writing an FSDP state: every tensor
+    sharded along dim 0, one slice per rank, parameters first and then the Adam moments."""
+    rows, cols = 64, 4096
+    names = [f"{kind}/layers.{i}.weight" for kind in ("model", "optim.exp_avg", "optim.exp_avg_sq")
+             for i in range(tensors)]
+    nbytes = rows * cols * 4
+    meta = {n: {"dtype": "float32", "shape": [rows * world, cols], "layout": "sharded"} for n in names}
+    shards = [[n, [rows * rank, 0], [rows, cols], i * nbytes, nbytes] for i, n in enumerate(names)]
+    chunks = [[o, CHUNK, o, CHUNK, (rank * 7919 + o) & 0xFFFFFFFF, 0] for o in range(0, RANK_BYTES, CHUNK)]
+    tree = {"t": "dict", "items": [[n, {"t": "tensor", "name": n}] for n in names]}
+    return {"rank": rank, "file": f"rank-{rank:05d}.data", "record": {"bytes": RANK_BYTES, "chunks": chunks},
+            "signature": f"fsdp-{tensors}", "meta": meta, "replicated": [], "shards": shards,
+            "tree": tree, "rng": None}
+
+
+def serve(conn: Any, case: Case) -> None:
+    """The simulated ranks ``case.indices``: one store connection and one thread each."""
+    raise_fd_limit()
+    from torch.distributed import PrefixStore, TCPStore
+
+    from resilient._commit import commit_together
+    from resilient._coord import StoreCoordinator
+
+    world = case.nodes * case.per_node
+    leaders = list(range(0, world, case.per_node))
+    coords: dict[int, StoreCoordinator] = {}
+    try:
+        for r in case.indices:
+            client = TCPStore("127.0.0.1", case.port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=TIMEOUT_S))
+            coords[r] = StoreCoordinator(PrefixStore("resilient/bench/", client), rank=r, world_size=world,
+                                         leader=r - r % case.per_node, leaders=leaders, session="bench")
+        reports = {r: fsdp_report(r, world, case.tensors) for r in case.indices}
+    except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
+        conn.send(("error", f"rank {len(coords)} of {len(case.indices)} in one process: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    manifest_bytes: dict[int, int] = {}
+
+    def one(r: int, seq: int, start_at: float) -> float:
+        time.sleep(max(0.0, start_at - time.time()))
+
+        def commit(manifest: bytes) -> None:
+            path = os.path.join(SHM, f"node-{r // case.per_node}.json")
+            with open(path, "wb") as f:
+                f.write(manifest)
+            manifest_bytes[r] = len(manifest)
+
+        commit_together(coords[r], seq, seq, reports[r], codec="none", timeout=TIMEOUT_S, commit=commit,
+                        discard=lambda: None, mark=lambda phase: None)
+        return time.time()
+
+    with ThreadPoolExecutor(max_workers=len(case.indices)) as pool:
+        while True:
+            command, arg = conn.recv()
+            if command == "stop":
+                conn.send(("stopped", None))
+                return
+            seq, start_at = arg
+            try:
+                ends = list(pool.map(lambda r: one(r, seq, start_at), case.indices))
+                conn.send(("done", (max(ends), max(manifest_bytes.values(), default=0))))
+            except Exception as exc:  # noqa: BLE001
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int) -> dict[str, Any]:
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
+    world = nodes * per_node
+    result: dict[str, Any] = {"nodes": nodes, "ranks_per_node": per_node, "ranks": world, "tensors": tensors}
+    ctx = mp.get_context("spawn")
+    pipes, children = [], []
+    try:
+        for p in range(min(procs, world)):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=serve, args=(child, Case(server.port, nodes, per_node, tensors,
+                                                               list(range(p, world, procs)))), daemon=True)
+            proc.start()
+            pipes.append(parent)
+            children.append(proc)
+        for pipe in pipes:
+            kind, detail = pipe.recv()
+            if kind == "error":
+                raise RuntimeError(detail)
+        seconds, manifest = [], 0
+        cpu = process_cpu_s()
+        for seq in range(1, saves + 1):
+            start = time.time() + 0.5
+            for pipe in pipes:
+                pipe.send(("save", (seq, start)))
+            answers = [pipe.recv() for pipe in pipes]
+            errors = [detail for kind, detail in answers if kind == "error"]
+            if errors:
+                raise RuntimeError("; ".join(errors[:3]))
+            seconds.append(max(end for _, (end, _) in answers) - start)
+            manifest = max([manifest] + [size for _, (_, size) in answers])
+        result.update(commit_s=round(statistics.median(seconds), 3), commit_samples_s=[round(s, 3) for s in seconds],
+                      store_host_cpu_s_per_save=round((process_cpu_s() - cpu) / saves, 3),
+                      manifest_mb=round(manifest / 1e6, 2))
+        return result
+    finally:
+        for pipe in pipes:
+            try:
+                pipe.send(("stop", None))
+                if pipe.poll(20):
+                    pipe.recv()
+            except (EOFError, OSError):
+                pass
+        for proc in children:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+        del server
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    lines = ["| nodes x ranks | commit of a save (median) | store host CPU per save | manifest per leader |",
+             "|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r["ranks"]):
+        cells = ([f"{r['commit_s']:.2f} s", f"{r['store_host_cpu_s_per_save']:.2f} s", f"{r['manifest_mb']:.1f} MB"]
+                 if "commit_s" in r else [r.get("error", "?")[:80], "", ""])
+        lines.append(f"| {r['nodes']} x {r['ranks_per_node']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_commit_scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", default="8,32,128")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--tensors", type=int, default=100, help="parameters per rank (each with two Adam moments)")
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--procs", type=int, default=8)
+    p.add_argument("--no-netns", dest="netns", action="store_false",
+                   help="run in this network namespace rather than a loopback-only one (see bench_scale)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
+    args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)))
+        return
+    if args.netns and os.environ.get(NETNS_ENV) != "1":
+        reexec_in_loopback_netns("benchmarks.bench_commit_scale", argv or sys.argv[1:])
+    os.makedirs(SHM, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    try:
+        for nodes in (int(x) for x in args.nodes.split(",") if x):
+            try:
+                result = run_case(nodes, args.ranks_per_node, args.tensors, args.saves, args.procs)
+            except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
+                result = {"nodes": nodes, "ranks_per_node": args.ranks_per_node,
+                          "ranks": nodes * args.ranks_per_node, "error": f"{type(exc).__name__}: {exc}"}
+            results.append(result)
+            print(json.dumps(result), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+    finally:
+        for name in os.listdir(SHM):
+            os.unlink(os.path.join(SHM, name))
+        os.rmdir(SHM)
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()
