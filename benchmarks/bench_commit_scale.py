@@ -19,9 +19,12 @@ Figures per size, medians over ``--saves`` saves, every rank starting its part a
 instant: **commit** (from then until the last rank knows the outcome), **CPU per node** (the
 CPU the simulated ranks' processes used over a save, divided by the nodes: what a node of a
 real job spends, since here all nodes share this machine's cores and the commit time is
-inflated by their taking turns), **store host CPU** (this process's CPU over the saves: the
-store's thread, since the driver sleeps), and the **manifest** each leader writes. Where a size cannot run here (threads, ports, memory), the
-error says which limit stopped it and the table shows the sizes up to there.
+inflated by their taking turns), **a rank's commit CPU** (its thread's own CPU time in
+``commit_together``, the largest of each role: rank 0, which assembles the manifest; another
+node's leader, which commits it; any other rank), **store host CPU** (this process's CPU
+over the saves: the store's thread, since the driver sleeps), and the **manifest** each
+leader writes. Where a size cannot run here (threads, ports, memory), the error says which
+limit stopped it and the table shows the sizes up to there.
 """
 
 from __future__ import annotations
@@ -96,8 +99,9 @@ def serve(conn: Any, case: Case) -> None:
     conn.send(("ready", None))
     manifest_bytes: dict[int, int] = {}
 
-    def one(r: int, seq: int, start_at: float) -> float:
+    def one(r: int, seq: int, start_at: float) -> tuple[float, float]:
         time.sleep(max(0.0, start_at - time.time()))
+        cpu = time.thread_time()
 
         def commit(manifest: bytes) -> None:
             path = os.path.join(SHM, f"node-{r // case.per_node}.json")
@@ -107,7 +111,7 @@ def serve(conn: Any, case: Case) -> None:
 
         commit_together(coords[r], seq, seq, reports[r], codec="none", timeout=TIMEOUT_S, commit=commit,
                         discard=lambda: None, mark=lambda phase: None)
-        return time.time()
+        return time.time(), time.thread_time() - cpu
 
     with ThreadPoolExecutor(max_workers=len(case.indices)) as pool:
         while True:
@@ -118,8 +122,12 @@ def serve(conn: Any, case: Case) -> None:
             seq, start_at = arg
             try:
                 cpu = process_cpu_s()
-                ends = list(pool.map(lambda r: one(r, seq, start_at), case.indices))
-                conn.send(("done", (max(ends), max(manifest_bytes.values(), default=0), process_cpu_s() - cpu)))
+                outcomes = dict(zip(case.indices, pool.map(lambda r: one(r, seq, start_at), case.indices)))
+                leads = [c for r, (_, c) in outcomes.items() if r and r % case.per_node == 0]
+                threads = {"rank0": outcomes[0][1] if 0 in outcomes else 0.0, "leader": max(leads, default=0.0),
+                           "other": max([c for r, (_, c) in outcomes.items() if r % case.per_node], default=0.0)}
+                conn.send(("done", (max(end for end, _ in outcomes.values()), max(manifest_bytes.values(), default=0),
+                                    process_cpu_s() - cpu, threads)))
             except Exception as exc:  # noqa: BLE001
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -145,6 +153,7 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int) ->
             if kind == "error":
                 raise RuntimeError(detail)
         seconds, ranks_cpu, manifest = [], [], 0
+        threads: dict[str, list[float]] = {"rank0": [], "leader": [], "other": []}
         cpu = process_cpu_s()
         for seq in range(1, saves + 1):
             start = time.time() + 0.5
@@ -154,12 +163,15 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int) ->
             errors = [detail for kind, detail in answers if kind == "error"]
             if errors:
                 raise RuntimeError("; ".join(errors[:3]))
-            seconds.append(max(end for _, (end, _, _) in answers) - start)
-            manifest = max([manifest] + [size for _, (_, size, _) in answers])
-            ranks_cpu.append(sum(used for _, (_, _, used) in answers))
+            seconds.append(max(end for _, (end, _, _, _) in answers) - start)
+            manifest = max([manifest] + [size for _, (_, size, _, _) in answers])
+            ranks_cpu.append(sum(used for _, (_, _, used, _) in answers))
+            for role in threads:
+                threads[role].append(max(t[role] for _, (_, _, _, t) in answers))
         result.update(commit_s=round(statistics.median(seconds), 3), commit_samples_s=[round(s, 3) for s in seconds],
                       store_host_cpu_s_per_save=round((process_cpu_s() - cpu) / saves, 3),
                       cpu_ms_per_node_per_save=round(statistics.median(ranks_cpu) / nodes * 1e3, 1),
+                      thread_cpu_ms={role: round(statistics.median(v) * 1e3, 1) for role, v in threads.items()},
                       manifest_mb=round(manifest / 1e6, 2))
         return result
     finally:
@@ -178,13 +190,16 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int) ->
 
 
 def render(results: list[dict[str, Any]]) -> str:
-    lines = ["| nodes x ranks | commit of a save (median) | CPU per node per save (its ranks' threads) "
+    lines = ["| nodes x ranks | commit of a save (median) | CPU per node per save (its ranks' processes) "
+             "| a rank's commit CPU: rank 0 / another leader / any other rank "
              "| store host CPU per save | manifest per leader |",
-             "|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["ranks"]):
+        cpu = r.get("thread_cpu_ms")
         cells = ([f"{r['commit_s']:.3f} s", f"{r['cpu_ms_per_node_per_save']:.0f} ms",
+                  f"{cpu['rank0']:.0f} / {cpu['leader']:.0f} / {cpu['other']:.0f} ms" if cpu else "–",
                   f"{r['store_host_cpu_s_per_save']:.3f} s", f"{r['manifest_mb']:.1f} MB"]
-                 if "commit_s" in r else [r.get("error", "?")[:80], "", "", ""])
+                 if "commit_s" in r else [r.get("error", "?")[:80], "", "", "", ""])
         lines.append(f"| {r['nodes']} x {r['ranks_per_node']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -79,6 +79,10 @@ class Coordinator:
     def collect(self, keys: list[str], timeout: float) -> list[bytes]:
         raise NotImplementedError
 
+    def missing(self, keys: list[str]) -> list[str]:
+        """Which of ``keys`` are not published (after a ``collect`` timed out: who is late)."""
+        raise NotImplementedError
+
     def forget(self, key: str) -> None:
         pass
 
@@ -94,6 +98,9 @@ class SoloCoordinator(Coordinator):
     def collect(self, keys: list[str], timeout: float) -> list[bytes]:
         return [self._values[k] for k in keys]
 
+    def missing(self, keys: list[str]) -> list[str]:
+        return [k for k in keys if k not in self._values]
+
     def forget(self, key: str) -> None:
         self._values.pop(key, None)
 
@@ -101,24 +108,60 @@ class SoloCoordinator(Coordinator):
 class StoreCoordinator(Coordinator):
     """The store half: ranks that know who they are and share a key-value store. A
     ``GroupCoordinator`` is one once its collectives have settled who leads; the commit
-    benchmark builds thousands of them, one per simulated rank, on one real store."""
+    benchmark builds thousands of them, one per simulated rank, on one real store.
+
+    Values of any size: torch's TCPStore refuses a value over 8 MB (the connection is reset),
+    and a manifest of a few hundred FSDP ranks is larger, so a large value goes as parts of
+    ``PART_BYTES`` written before the key that names their count. Each stored value starts
+    with one byte saying which: ``=`` the value follows, ``#`` the count of parts follows."""
+
+    PART_BYTES = 4 << 20
+    #: keys per ``multi_get``: one answer stays a few MB however many ranks report
+    KEYS_PER_REQUEST = 128
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, leader: int, leaders: list[int],
                  session: str) -> None:
         self._store = store
+        self._parts: dict[str, int] = {}  # keys this rank published in parts: how many
         self.rank, self.world_size, self.leader, self.leaders, self.session = (
             rank, world_size, leader, leaders, session)
 
     def publish(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
+        if len(value) <= self.PART_BYTES:
+            self._store.set(key, b"=" + value)
+            return
+        view = memoryview(value)
+        count = -(-len(value) // self.PART_BYTES)
+        for i in range(count):
+            self._store.set(f"{key}#{i}", bytes(view[i * self.PART_BYTES:(i + 1) * self.PART_BYTES]))
+        self._parts[key] = count
+        self._store.set(key, b"#%d" % count)  # last: whoever sees the key finds every part
 
     def collect(self, keys: list[str], timeout: float) -> list[bytes]:
         self._store.wait(keys, timedelta(seconds=timeout))
+        out = []
+        for key, raw in zip(keys, self._get_many(keys)):
+            if raw[:1] == b"#":
+                raw = b"=" + b"".join(self._get_many([f"{key}#{i}" for i in range(int(raw[1:]))]))
+            if raw[:1] != b"=":
+                raise ValueError(f"store key {key!r} holds a value resilient did not write")
+            out.append(raw[1:])
+        return out
+
+    def _get_many(self, keys: list[str]) -> list[bytes]:
+        if len(keys) > 1 and hasattr(self._store, "multi_get"):  # torch >= 2.3: one round trip per batch
+            step = self.KEYS_PER_REQUEST
+            return [v for i in range(0, len(keys), step) for v in self._store.multi_get(keys[i:i + step])]
         return [self._store.get(k) for k in keys]
+
+    def missing(self, keys: list[str]) -> list[str]:
+        return [k for k in keys if not self._store.check([k])]
 
     def forget(self, key: str) -> None:
         try:
             self._store.delete_key(key)
+            for i in range(self._parts.pop(key, 0)):
+                self._store.delete_key(f"{key}#{i}")
         except Exception:  # a store without delete support just keeps a few bytes
             pass
 

@@ -4,9 +4,10 @@ Sequence for one save (``seq`` counts saves; every rank issues them in the same 
 
 1. every rank: write ``rank-NNNNN.data`` from the staged buffer into the shared pending
    directory, fsync it, publish a JSON report (file record, what it holds, its tree).
-2. each leader (one per storage location): collect every rank's report, assemble the
-   manifest, commit it on its tier (see ``_local``), apply retention, publish the outcome.
-3. every rank: collect the leaders' outcomes and settle the save's handle.
+2. together, over the store (``_commit``): rank 0 assembles the manifest from every rank's
+   report, each leader (one per storage location) commits it on its tier (see ``_local``),
+   and every rank learns the outcome and settles the save's handle;
+3. each leader: apply retention.
 
 No step waits for the training loop, and a rank that never reports (killed) leaves the
 save uncommitted: the previous checkpoint stays the newest.
@@ -51,7 +52,7 @@ class SaveHandle:
         self.nbytes = 0
         self.deferred_bytes = 0  # of nbytes, copied after save returned (overlapped staging)
         # seconds from the call to the end of each background phase ("copied": the copy made
-        # inside save, "written", and on a leader "reports" and "manifest"): which part of a
+        # inside save, "written", on rank 0 "reports", and on a leader "manifest"): which part of a
         # slow save was slow. A copy that runs on after save (overlapped staging, a GPU) is
         # written as it comes, so it ends within "written".
         self.phases: dict[str, float] = {}

@@ -1,0 +1,166 @@
+"""The commit protocol of a save, rank by rank, over a real TCPStore on loopback.
+
+Each simulated rank is a thread with a client connection of its own, running
+``commit_together`` as a rank's writer thread does; each node's leader commits to a file of
+its own. What a multi-process job adds (files, collectives) is covered by the distributed
+and launcher tests; here the nodes, the store's limits and the failures are set exactly.
+"""
+
+import os
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+from torch.distributed import PrefixStore, TCPStore
+
+from resilient._commit import commit_together
+from resilient._coord import StoreCoordinator
+from resilient._errors import CommitError
+from resilient._format import decode_manifest
+
+
+@pytest.fixture
+def store():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield server
+    del server
+
+
+def coordinators(server, nodes, per_node):
+    world, leaders = nodes * per_node, list(range(0, nodes * per_node, per_node))
+    out = []
+    for r in range(world):
+        client = TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+        out.append(StoreCoordinator(PrefixStore("resilient/test/", client), rank=r, world_size=world,
+                                    leader=r - r % per_node, leaders=leaders, session="test"))
+    return out
+
+
+def report(rank, world, chunks=2, signature="same"):
+    """A sharded rank's report: one tensor split along dim 0, ``chunks`` chunks in its file."""
+    rng = random.Random(rank)
+    return {"rank": rank, "file": f"rank-{rank:05d}.data",
+            "record": {"bytes": chunks * 64, "chunks": [[i * 64, 64, i * 64, 64, rng.getrandbits(32), 0]
+                                                        for i in range(chunks)]},
+            "signature": signature, "meta": {"w": {"dtype": "float32", "shape": [4 * world, 4], "layout": "sharded"}},
+            "replicated": [], "shards": [["w", [4 * rank, 0], [4, 4], 0, 64]],
+            "tree": {"t": "dict", "items": [["w", {"t": "tensor", "name": "w"}]]}, "rng": None}
+
+
+def run_save(coords, seq, tmp_path, *, reports=None, skip=(), failing=(), timeout=20.0):
+    """Every rank but ``skip`` plays its part; leaders in ``failing`` fail to commit. Returns
+    each rank's outcome (None: committed; else the CommitError) and what each leader did."""
+    world = len(coords)
+    done: dict[int, list[str]] = {}
+    lock = threading.Lock()
+
+    def one(coord):
+        def commit(manifest):
+            if coord.rank in failing:
+                raise OSError(f"no space left on node of rank {coord.rank}")
+            (tmp_path / f"leader-{coord.rank}.json").write_bytes(manifest)
+            with lock:
+                done.setdefault(coord.rank, []).append("committed")
+
+        def discard():
+            with lock:
+                done.setdefault(coord.rank, []).append("discarded")
+
+        try:
+            commit_together(coord, seq, seq, (reports or {}).get(coord.rank) or report(coord.rank, world),
+                            codec="none", timeout=timeout, commit=commit, discard=discard, mark=lambda phase: None)
+            return None
+        except CommitError as exc:
+            return exc
+
+    playing = [c for c in coords if c.rank not in skip]
+    with ThreadPoolExecutor(max_workers=len(playing)) as pool:
+        results = dict(zip([c.rank for c in playing], pool.map(one, playing)))
+    return results, done
+
+
+@pytest.mark.timeout(60)
+def test_every_node_commits_the_same_manifest_save_after_save(store, tmp_path):
+    coords = coordinators(store, nodes=3, per_node=2)
+    for seq in (1, 2, 3):
+        results, done = run_save(coords, seq, tmp_path)
+        assert results == {r: None for r in range(6)}
+        assert done == {0: ["committed"], 2: ["committed"], 4: ["committed"]}
+        manifests = {(tmp_path / f"leader-{r}.json").read_bytes() for r in (0, 2, 4)}
+        assert len(manifests) == 1  # byte for byte: assembled once, by rank 0
+        manifest = decode_manifest(manifests.pop(), "test")
+        assert manifest["step"] == seq and manifest["world_size"] == 6
+        assert sorted(manifest["files"]) == [f"rank-{r:05d}.data" for r in range(6)]
+        assert [b["offsets"] for b in manifest["tensors"]["w"]["boxes"]] == [[4 * r, 0] for r in range(6)]
+    # what save 1 left in the store is gone once save 3 is done; save 3's own keys stay
+    # until save 4 (a rank may still be reading them)
+    probe = coords[0]
+    assert probe.missing(["1/manifest", "1/settled", "1/outcome/0", "1/report/3", "2/manifest"]) == \
+        ["1/manifest", "1/settled", "1/outcome/0", "1/report/3", "2/manifest"]
+    assert probe.missing(["3/manifest", "3/settled"]) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_manifest_larger_than_the_store_takes_goes_in_parts(store, tmp_path):
+    # 4 ranks of 150,000 chunks each, checksums random: ~28 MB of manifest, ~10 MB deflated,
+    # over the 8 MB a TCPStore value may hold (the connection is reset beyond it)
+    coords = coordinators(store, nodes=2, per_node=2)
+    reports = {r: report(r, 4, chunks=150_000) for r in range(4)}
+    results, done = run_save(coords, 1, tmp_path, reports=reports)
+    assert results == {r: None for r in range(4)} and done == {0: ["committed"], 2: ["committed"]}
+    raw = (tmp_path / "leader-2.json").read_bytes()
+    assert len(raw) > 2 * StoreCoordinator.PART_BYTES
+    assert raw == (tmp_path / "leader-0.json").read_bytes()
+    manifest = decode_manifest(raw, "test")
+    assert manifest["files"]["rank-00003.data"] == reports[3]["record"]
+
+
+@pytest.mark.timeout(60)
+def test_a_value_in_parts_round_trips_and_is_forgotten_whole(store):
+    a, b = coordinators(store, nodes=1, per_node=2)
+    value = os.urandom(3 * StoreCoordinator.PART_BYTES + 12345)
+    a.publish("big", value)
+    a.publish("small", b"x")
+    assert b.collect(["small", "big"], timeout=5) == [b"x", value]
+    assert b.missing(["big#0", "big#3"]) == []
+    a.forget("big")
+    assert b.missing(["big", "big#0", "big#1", "big#2", "big#3", "small"]) == ["big", "big#0", "big#1", "big#2", "big#3"]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_reports_is_named_and_nothing_is_committed(store, tmp_path):
+    coords = coordinators(store, nodes=2, per_node=2)
+    results, done = run_save(coords, 1, tmp_path, skip={3}, timeout=2.0)
+    assert set(results) == {0, 1, 2}
+    for exc in results.values():
+        assert isinstance(exc, CommitError)
+        assert list(exc.failures) == [3] and "never sent its report" in exc.failures[3]
+    assert done == {0: ["discarded"], 2: ["discarded"]}
+
+
+@pytest.mark.timeout(60)
+def test_a_leader_that_cannot_commit_fails_the_save_on_every_rank(store, tmp_path):
+    coords = coordinators(store, nodes=3, per_node=2)
+    results, done = run_save(coords, 1, tmp_path, failing={2})
+    for exc in results.values():
+        assert isinstance(exc, CommitError) and list(exc.failures) == [2]
+        assert "no space left on node of rank 2" in exc.failures[2]
+    assert done == {0: ["committed"], 2: ["discarded"], 4: ["committed"]}
+    # the next save goes through: nothing of the failed one is in its way
+    results, done = run_save(coords, 2, tmp_path)
+    assert results == {r: None for r in range(6)}
+
+
+@pytest.mark.timeout(60)
+def test_ranks_saving_different_states_fail_on_every_rank_naming_the_odd_one(store, tmp_path):
+    coords = coordinators(store, nodes=2, per_node=2)
+    reports = {r: report(r, 4, signature="odd" if r == 1 else "same") for r in range(4)}
+    reports[1]["meta"] = {"w": {"dtype": "bfloat16", "shape": [16, 4], "layout": "sharded"}}
+    results, done = run_save(coords, 1, tmp_path, reports=reports)
+    for exc in results.values():
+        assert isinstance(exc, CommitError) and list(exc.failures) == [1]
+        assert "differs from rank 0" in exc.failures[1]
+    assert done == {0: ["discarded"], 2: ["discarded"]}
