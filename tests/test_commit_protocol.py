@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from resilient._commit import commit_together
+from resilient._commit import assemble_manifest, commit_together, encode_report
 from resilient._coord import StoreCoordinator
 from resilient._errors import CommitError
 from resilient._format import decode_manifest
@@ -127,7 +127,8 @@ def test_a_value_in_parts_round_trips_and_is_forgotten_whole(store):
     assert b.collect(["small", "big"], timeout=5) == [b"x", value]
     assert b.missing(["big#0", "big#3"]) == []
     a.forget("big")
-    assert b.missing(["big", "big#0", "big#1", "big#2", "big#3", "small"]) == ["big", "big#0", "big#1", "big#2", "big#3"]
+    parts = ["big#0", "big#1", "big#2", "big#3"]
+    assert b.missing(["big", *parts, "small"]) == ["big", *parts]
 
 
 @pytest.mark.timeout(60)
@@ -164,3 +165,43 @@ def test_ranks_saving_different_states_fail_on_every_rank_naming_the_odd_one(sto
         assert isinstance(exc, CommitError) and list(exc.failures) == [1]
         assert "differs from rank 0" in exc.failures[1]
     assert done == {0: ["discarded"], 2: ["discarded"]}
+
+
+def test_the_manifest_joins_every_kind_of_piece_in_order():
+    """Replicated pieces split over ranks (sorted by where they start, whichever rank holds
+    them), several shard boxes per rank (in rank order), a tied name, and a rank with no file."""
+    def rank_report(rank, file, replicated, shards):
+        return {"rank": rank, "file": file, "signature": "s",
+                "record": {"bytes": 48, "chunks": [[0, 48, 0, 48, 7 + rank, 0]]} if file else None,
+                "meta": {"a": {"dtype": "float32", "shape": [8], "layout": "replicated"},
+                         "b": {"dtype": "float32", "shape": [4, 2], "layout": "sharded"},
+                         "c": {"dtype": "float32", "shape": [8], "layout": "replicated", "same_as": "a"}},
+                "replicated": replicated, "shards": shards,
+                "tree": {"t": "dict", "items": [[k, {"t": "tensor", "name": k}] for k in "abc"]},
+                "rng": {"seed": rank}}
+
+    def rows(*starts):
+        return [["b", [row, 0], [1, 2], 16 + 8 * i, 8] for i, row in enumerate(starts)]
+
+    reports = [
+        rank_report(0, "rank-00000.data", [["a", 16, 16, 0]], rows(0, 2)),
+        rank_report(1, "rank-00001.data", [["a", 0, 16, 0]], rows(1, 3)),
+        rank_report(2, None, [], []),
+    ]
+    manifest = decode_manifest(assemble_manifest(5, [encode_report(r) for r in reports], "none"), "test")
+    assert manifest["step"] == 5 and manifest["world_size"] == 3 and manifest["codec"] == "none"
+    assert sorted(manifest["files"]) == ["rank-00000.data", "rank-00001.data"]
+    a = manifest["tensors"]["a"]
+    pieces = [["rank-00001.data", 0, 16], ["rank-00000.data", 0, 16]]
+    assert a["boxes"] == [{"offsets": [0], "sizes": [8], "pieces": pieces}]
+    assert manifest["tensors"]["c"]["boxes"] == a["boxes"] and manifest["tensors"]["c"]["same_as"] == "a"
+    assert [(b["offsets"][0], b["pieces"][0][:2]) for b in manifest["tensors"]["b"]["boxes"]] == [
+        (0, ["rank-00000.data", 16]), (2, ["rank-00000.data", 24]), (1, ["rank-00001.data", 16]), (3, ["rank-00001.data", 24])]
+    assert [r["rng"] for r in manifest["ranks"]] == [{"seed": 0}, {"seed": 1}, {"seed": 2}]
+
+
+def test_a_failed_rank_is_reported_from_its_header_alone():
+    reports = [encode_report(report(0, 2)), encode_report({"rank": 1, "error": "OSError: disk on fire\nsecond line"})]
+    with pytest.raises(CommitError) as caught:
+        assemble_manifest(1, reports, "none")
+    assert caught.value.failures == {1: "OSError: disk on fire\nsecond line"}
