@@ -195,8 +195,9 @@ def test_the_manifest_joins_every_kind_of_piece_in_order():
     pieces = [["rank-00001.data", 0, 16], ["rank-00000.data", 0, 16]]
     assert a["boxes"] == [{"offsets": [0], "sizes": [8], "pieces": pieces}]
     assert manifest["tensors"]["c"]["boxes"] == a["boxes"] and manifest["tensors"]["c"]["same_as"] == "a"
+    r0, r1 = "rank-00000.data", "rank-00001.data"
     assert [(b["offsets"][0], b["pieces"][0][:2]) for b in manifest["tensors"]["b"]["boxes"]] == [
-        (0, ["rank-00000.data", 16]), (2, ["rank-00000.data", 24]), (1, ["rank-00001.data", 16]), (3, ["rank-00001.data", 24])]
+        (0, [r0, 16]), (2, [r0, 24]), (1, [r1, 16]), (3, [r1, 24])]
     assert [r["rng"] for r in manifest["ranks"]] == [{"seed": 0}, {"seed": 1}, {"seed": 2}]
 
 
