@@ -34,15 +34,13 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from benchmarks.bench_scale import NETNS_ENV, process_cpu_s, raise_fd_limit, reexec_in_loopback_netns
+from benchmarks.bench_scale import add_run_options, process_cpu_s, raise_fd_limit, rendered_or_moved
 
 CHUNK = 16 << 20
 RANK_BYTES = 1 << 30
@@ -212,17 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tensors", type=int, default=100, help="parameters per rank (each with two Adam moments)")
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--procs", type=int, default=8)
-    p.add_argument("--no-netns", dest="netns", action="store_false",
-                   help="run in this network namespace rather than a loopback-only one (see bench_scale)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
+    add_run_options(p)
     args = p.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)))
+    if rendered_or_moved(args, render, "benchmarks.bench_commit_scale", argv):
         return
-    if args.netns and os.environ.get(NETNS_ENV) != "1":
-        reexec_in_loopback_netns("benchmarks.bench_commit_scale", argv or sys.argv[1:])
     os.makedirs(SHM, exist_ok=True)
     results: list[dict[str, Any]] = []
     try:

@@ -75,15 +75,28 @@ class Spec:
     monitor_interval: float
 
 
-def reexec_in_loopback_netns(module: str, argv: list[str]) -> None:
-    """Run ``python -m module argv`` again in a network namespace of its own with only
-    loopback up (see NETNS_ENV); returns only where that cannot be done (not root, no
-    ``unshare``), and the run goes on here."""
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return
-    env = {**os.environ, NETNS_ENV: "1"}
-    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", module, *argv])
-    os.execvpe("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"], env)
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """The options every simulation at scale takes (this one, ``bench_commit_scale``)."""
+    p.add_argument("--no-netns", dest="netns", action="store_false",
+                   help="run in this network namespace (see NETNS_ENV) rather than a loopback-only one")
+    p.add_argument("--json", default=None, help="write the results here (one object per case)")
+    p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
+
+
+def rendered_or_moved(args: argparse.Namespace, render: Any, module: str, argv: list[str] | None) -> bool:
+    """True once ``--render``'s table is printed (nothing to run). Otherwise, unless told
+    ``--no-netns`` or already there, run ``python -m module argv`` again in a network
+    namespace of its own with only loopback up (see NETNS_ENV): this returns only where that
+    cannot be done (not root, no ``unshare``), and the run goes on here."""
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)))
+        return True
+    if args.netns and os.environ.get(NETNS_ENV) != "1" and os.geteuid() == 0 and shutil.which("unshare"):
+        env = {**os.environ, NETNS_ENV: "1"}
+        command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", module, *(argv or sys.argv[1:])])
+        os.execvpe("unshare", ["unshare", "-n", "sh", "-c", f"ip link set lo up && exec {command}"], env)
+    return False
 
 
 def raise_fd_limit() -> int:
@@ -599,17 +612,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--regroup", default="", metavar="NODES",
                    help="also simulate in-process regrouping at these node counts (e.g. 8,128,1024)")
     p.add_argument("--ranks-per-node", type=int, default=8)
-    p.add_argument("--no-netns", dest="netns", action="store_false",
-                   help="run in this network namespace (see NETNS_ENV) rather than a loopback-only one")
-    p.add_argument("--json", default=None, help="write the results here (one object per case)")
-    p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
+    add_run_options(p)
     args = p.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)))
+    if rendered_or_moved(args, render, "benchmarks.bench_scale", argv):
         return
-    if args.netns and os.environ.get(NETNS_ENV) != "1":
-        reexec_in_loopback_netns("benchmarks.bench_scale", argv or sys.argv[1:])
     hard = raise_fd_limit()
     from resilient.devservices import EtcdCluster, EtcdServer, free_port
 

@@ -63,7 +63,8 @@ def commit_together(
     """This rank's part in committing save ``seq`` (of ``step``); raises ``CommitError``
     naming the ranks at fault unless every leader committed. ``commit(manifest)`` and
     ``discard()`` act on this leader's storage; ``mark(phase)`` records when a phase ended.
-    Every wait is bounded by ``timeout`` seconds."""
+    ``timeout``: how long rank 0 waits for the reports, and then for the leaders; the other
+    waits are longer by as much as they nest around those (``_GRACE_S``)."""
     first, grace = coord.leaders[0], min(timeout, _GRACE_S)
     coord.publish(f"{seq}/report/{coord.rank}", _deflate.compress(encode_report(report), 1))
     if coord.rank == first:
@@ -74,7 +75,7 @@ def commit_together(
         _settle(coord, seq, step, timeout)
     raw = _collect(coord, step, [f"{seq}/settled"], "the commit", 2 * timeout + grace)[0]
     coord.forget(f"{seq}/report/{coord.rank}")
-    failures = {int(k): v for k, v in json.loads(raw)["failures"].items()}
+    failures = _failures(raw)
     if failures:
         raise CommitError(step, failures)
 
@@ -108,7 +109,7 @@ def _commit_as_leader(coord: Coordinator, seq: int, step: int, timeout: float,
     try:
         assembled = _collect(coord, step, [f"{seq}/manifest"], "the manifest", timeout)[0]
         if assembled[:1] == b"F":
-            failures = {int(k): v for k, v in json.loads(assembled[1:])["failures"].items()}
+            failures = _failures(assembled[1:])
         else:
             commit(_deflate.decompress(assembled[1:]))
             mark("manifest")
@@ -132,6 +133,11 @@ def _settle(coord: Coordinator, seq: int, step: int, timeout: float) -> None:
     except CommitError as exc:
         failures.update({str(k): v for k, v in exc.failures.items()})
     coord.publish(f"{seq}/settled", json.dumps({"failures": failures}).encode())
+
+
+def _failures(raw: bytes) -> dict[int, str]:
+    """The ``{"failures": {rank: why}}`` an outcome or settlement carries, ranks as ints."""
+    return {int(k): v for k, v in json.loads(raw)["failures"].items()}
 
 
 def _collect(coord: Coordinator, step: int, keys: list[str], what: str, timeout: float,
