@@ -141,11 +141,12 @@ class StoreCoordinator(Coordinator):
         self._store.wait(keys, timedelta(seconds=timeout))
         out = []
         for key, raw in zip(keys, self._get_many(keys)):
-            if raw[:1] == b"#":
-                raw = b"=" + b"".join(self._get_many([f"{key}#{i}" for i in range(int(raw[1:]))]))
-            if raw[:1] != b"=":
+            if raw[:1] == b"=":
+                out.append(raw[1:])
+            elif raw[:1] == b"#":
+                out.append(b"".join(self._get_many([f"{key}#{i}" for i in range(int(raw[1:]))])))
+            else:
                 raise ValueError(f"store key {key!r} holds a value resilient did not write")
-            out.append(raw[1:])
         return out
 
     def _get_many(self, keys: list[str]) -> list[bytes]:
