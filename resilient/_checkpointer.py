@@ -30,7 +30,7 @@ from ._preempt import grace_seconds
 from ._preempt import watch as watch_preemption
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import OtherRankFailed, load_checkpoint
-from ._rng import apply_rng, capture_rng
+from ._rng import apply_rng, capture_rng, parse_rng
 from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
 from ._storage import LocalStorage, Storage, open_storage
 from ._transfer import ProgressLog, copy_step, has_all_files
@@ -798,8 +798,9 @@ class Checkpointer:
                     raise failure
                 manifest = self._tier.read_manifest(step)
                 touched = loaded_here = True
-                rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank, coord.world_size,
-                                      self._read_pool, strict=strict, coord=coord)
+                saved_rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank,
+                                            coord.world_size, self._read_pool, strict=strict, coord=coord)
+                rng = parse_rng(saved_rng) if self.rng and saved_rng else None
             except OtherRankFailed as exc:  # that rank says why; this copy is not shown bad
                 failure = exc
             except (CheckpointCorruptError, OSError) as exc:
@@ -838,7 +839,7 @@ class Checkpointer:
                 self._bad_steps.add(step)
                 ceiling = step
                 continue
-            if self.rng and rng:
+            if rng is not None:
                 apply_rng(rng)
             self._restored_step = step
             self._reported_first_step = False

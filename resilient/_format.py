@@ -6,27 +6,39 @@ JSON, never pickle: reading it runs no code, whoever wrote the bucket. It is val
 field by field before use, so a damaged or hostile manifest is an error that names the
 field, not a crash deep in the loader.
 
-Version 1 layout (``docs/format.md`` has the prose)::
+Version 2 layout (``docs/format.md`` has the prose; version 1, still read, listed every box
+on its own and each rank's tree and RNG state in ``ranks``)::
 
-    {"format": "resilient.checkpoint", "version": 1, "step": 100, "world_size": 2,
+    {"format": "resilient.checkpoint", "version": 2, "step": 100, "world_size": 2,
      "created": 1764500000.0, "torch_version": "2.13.0", "codec": "none",
      "files":   {"rank-00000.data": {"bytes": N, "chunks": [[off, len, soff, slen, crc32, codec]]}},
      "tensors": {"model/w": {"dtype": "float32", "shape": [4, 4], "layout": "replicated",
                  "boxes": [{"offsets": [0, 0], "sizes": [4, 4],
-                            "pieces": [["rank-00000.data", 0, 32], ["rank-00001.data", 0, 32]]}]}},
-     "ranks":   [{"tree": {...}, "rng": {...}}, ...]}
+                            "pieces": [["rank-00000.data", 0, 32], ["rank-00001.data", 0, 32]]}]},
+                 "model/v": {"dtype": "float32", "shape": [8], "layout": "sharded",
+                 "boxes": [{"offsets": [0], "sizes": [4], "pieces": [["rank-00000.data", 32, 16]],
+                            "repeat": 2, "stride": [4, 1, 0]}]}},
+     "trees":   [{...}],  "rngs": [{...}, {...}],
+     "ranks":   [[0, 0], [0, 1]]}
+
+A box with ``repeat`` is a run (``_box_runs``); ``ranks[r]`` is ``[tree, rng]``: indexes into
+``trees`` and ``rngs`` (or null), which hold each distinct one once. Decoded, every version
+reads alike: ``ranks[r]`` is ``{"tree": ..., "rng": ...}`` and a tensor's ``boxes`` a
+``SavedBoxes``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
 
+import numpy as np
 import torch
 
+from ._box_runs import SavedBoxes, canonical_rank, check_run
 from ._errors import CheckpointCorruptError
+from ._names import data_file_name, parse_data_file, parse_step_dir, step_dir_name
 
 __all__ = [
     "FORMAT",
@@ -44,34 +56,14 @@ __all__ = [
 ]
 
 FORMAT = "resilient.checkpoint"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
-_STEP_RE = re.compile(r"^step-(\d{10})$")
 _DTYPES = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:010d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    match = _STEP_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def data_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.data"
-
-
-def parse_data_file(name: str) -> int | None:
-    """The rank whose data file ``name`` is (``data_file_name``'s inverse), else None."""
-    head, sep, tail = name.partition("rank-")
-    digits = tail.removesuffix(".data")
-    return int(digits) if not head and sep and tail.endswith(".data") and digits.isdigit() else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -125,10 +117,10 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where}: not a resilient checkpoint manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READ_VERSIONS:
         raise CheckpointCorruptError(
             f"{where}: format version {manifest.get('version')!r} is not supported "
-            f"(this resilient reads version {VERSION})"
+            f"(this resilient reads versions {', '.join(map(str, READ_VERSIONS))})"
         )
     for field, kind in (("step", int), ("world_size", int), ("files", dict), ("tensors", dict), ("ranks", list)):
         if not isinstance(manifest.get(field), kind) or isinstance(manifest.get(field), bool):
@@ -137,18 +129,62 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
         _fail(where, "step", "and world_size must be >= 0 and >= 1")
     if len(manifest["ranks"]) != manifest["world_size"]:
         _fail(where, "ranks", "must have one entry per rank")
-    logical_sizes = {fname: _check_file(fname, record, where) for fname, record in manifest["files"].items()}
+    files = _Files({fname: _check_file(fname, record, where) for fname, record in manifest["files"].items()})
     for name, meta in manifest["tensors"].items():
-        _check_tensor(name, meta, logical_sizes, where)
-    for rank, record in enumerate(manifest["ranks"]):
-        if not isinstance(record, dict) or not isinstance(record.get("tree"), dict):
-            _fail(where, f"ranks[{rank}]", "must be an object with a tree")
-        if record["tree"].get("t") != "dict":
-            _fail(where, f"ranks[{rank}].tree", "must be a dict node")
-        _check_tree(record["tree"], manifest["tensors"], where, f"ranks[{rank}].tree")
-        if record.get("rng") is not None and not isinstance(record["rng"], dict):
-            _fail(where, f"ranks[{rank}].rng", "must be an object or null")
+        _check_tensor(name, meta, files, where)
+    if manifest["version"] == 1:
+        for rank, record in enumerate(manifest["ranks"]):
+            if not isinstance(record, dict):
+                _fail(where, f"ranks[{rank}]", "must be an object with a tree")
+            _check_tree_root(record.get("tree"), manifest["tensors"], where, f"ranks[{rank}].tree")
+            _check_rng(record.get("rng"), where, f"ranks[{rank}].rng")
+    else:
+        manifest["ranks"] = _shared_rank_states(manifest, where)
     return manifest
+
+
+def _shared_rank_states(manifest: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """Version 2's ``ranks`` (``[tree, rng]`` indexes), each distinct tree and RNG state
+    checked once, as version 1's ``{"tree", "rng"}`` objects (sharing them)."""
+    trees, rngs = manifest.get("trees"), manifest.get("rngs")
+    if not isinstance(trees, list) or not isinstance(rngs, list):
+        _fail(where, "trees", "and rngs must be lists")
+    for i, tree in enumerate(trees):
+        _check_tree_root(tree, manifest["tensors"], where, f"trees[{i}]")
+    for i, rng in enumerate(rngs):
+        _check_rng(rng, where, f"rngs[{i}]")
+    ranks = []
+    for rank, pair in enumerate(manifest["ranks"]):
+        if (not isinstance(pair, list) or len(pair) != 2 or not _is_index(pair[0], trees)
+                or not (pair[1] is None or _is_index(pair[1], rngs))):
+            _fail(where, f"ranks[{rank}]", "must be [index into trees, index into rngs or null]")
+        ranks.append({"tree": trees[pair[0]], "rng": None if pair[1] is None else rngs[pair[1]]})
+    return ranks
+
+
+def _is_index(value: Any, into: list[Any]) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(into)
+
+
+def _check_tree_root(tree: Any, tensors: dict[str, Any], where: str, field: str) -> None:
+    if not isinstance(tree, dict) or tree.get("t") != "dict":
+        _fail(where, field, "must be a dict node")
+    _check_tree(tree, tensors, where, field)
+
+
+def _check_rng(rng: Any, where: str, field: str) -> None:
+    if rng is not None and not isinstance(rng, dict):
+        _fail(where, field, "must be an object or null")
+
+
+class _Files:
+    """The files' logical sizes, by name and, for runs of boxes, by rank (sorted arrays)."""
+
+    def __init__(self, logical_sizes: dict[str, int]) -> None:
+        self.logical_sizes = logical_sizes
+        by_rank = sorted((r, size) for name, size in logical_sizes.items() if (r := canonical_rank(name)) is not None)
+        self.ranks = np.array([r for r, _ in by_rank], dtype=np.int64)
+        self.logical = np.array([size for _, size in by_rank], dtype=np.int64)
 
 
 def _check_file(fname: str, record: Any, where: str) -> int:
@@ -177,7 +213,7 @@ def _check_file(fname: str, record: Any, where: str) -> int:
     return logical
 
 
-def _check_tensor(name: str, meta: Any, logical_sizes: dict[str, int], where: str) -> None:
+def _check_tensor(name: str, meta: Any, files: _Files, where: str) -> None:
     tw = f"tensors[{name!r}]"
     if not isinstance(meta, dict):
         _fail(where, tw, "must be an object")
@@ -195,26 +231,32 @@ def _check_tensor(name: str, meta: Any, logical_sizes: dict[str, int], where: st
         _fail(where, f"{tw}.boxes", "must be a list")
     numel = math.prod(shape)
     covered = 0
-    for box in boxes:
+    logical_sizes = files.logical_sizes
+    for i, box in enumerate(boxes):
         if not isinstance(box, dict) or not isinstance(box.get("pieces"), list):
-            _fail(where, f"{tw}.boxes[]", "must be an object with pieces")
-        offsets = _ints(box.get("offsets"), where, f"{tw}.boxes[].offsets", length=len(shape))
-        sizes = _ints(box.get("sizes"), where, f"{tw}.boxes[].sizes", length=len(shape))
+            _fail(where, f"{tw}.boxes[{i}]", "must be an object with pieces")
+        offsets = _ints(box.get("offsets"), where, f"{tw}.boxes[{i}].offsets", length=len(shape))
+        sizes = _ints(box.get("sizes"), where, f"{tw}.boxes[{i}].sizes", length=len(shape))
         if any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
-            _fail(where, f"{tw}.boxes[]", "lies outside the tensor's shape")
+            _fail(where, f"{tw}.boxes[{i}]", "lies outside the tensor's shape")
+        if "repeat" in box:
+            covered += check_run(box, shape, itemsize, files.ranks, files.logical,
+                                 lambda field, why, i=i: _fail(where, f"{tw}.boxes[{i}].{field}", why))
+            continue
         held = 0
         for piece in box["pieces"]:
             if not isinstance(piece, list) or len(piece) != 3 or piece[0] not in logical_sizes:
-                _fail(where, f"{tw}.boxes[].pieces[]", "must be [known file, offset, nbytes]")
-            offset, nbytes = _ints(piece[1:], where, f"{tw}.boxes[].pieces[]")
+                _fail(where, f"{tw}.boxes[{i}].pieces[]", "must be [known file, offset, nbytes]")
+            offset, nbytes = _ints(piece[1:], where, f"{tw}.boxes[{i}].pieces[]")
             if offset + nbytes > logical_sizes[piece[0]]:
-                _fail(where, f"{tw}.boxes[].pieces[]", f"reads past the end of {piece[0]}")
+                _fail(where, f"{tw}.boxes[{i}].pieces[]", f"reads past the end of {piece[0]}")
             held += nbytes
         if held != math.prod(sizes) * itemsize:
-            _fail(where, f"{tw}.boxes[]", f"pieces hold {held} bytes, the box needs {math.prod(sizes) * itemsize}")
+            _fail(where, f"{tw}.boxes[{i}]", f"pieces hold {held} bytes, the box needs {math.prod(sizes) * itemsize}")
         covered += math.prod(sizes)
     if covered != numel:
         _fail(where, f"{tw}.boxes", f"cover {covered} of the tensor's {numel} elements")
+    meta["boxes"] = SavedBoxes(boxes)
 
 
 def _check_tree(root: dict[str, Any], tensors: dict[str, Any], where: str, field: str) -> None:

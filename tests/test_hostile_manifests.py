@@ -4,6 +4,7 @@ exits 1 with one line naming the step, nothing allocates what the manifest merel
 import json
 import os
 import resource
+import shutil
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ def _mutations() -> dict:
     """The damage, by name, each applied to a good manifest of step 2."""
 
     def deep(m):  # the entry becomes 200,000 nested lists
-        m["ranks"][0]["tree"]["items"][0][1] = "__DEEP__"
+        m["trees"][0]["items"][0][1] = "__DEEP__"
         return '{"t":"list","items":[' * 200_000 + '{"t":"v","v":1}' + "]}" * 200_000
 
     return {
@@ -27,9 +28,27 @@ def _mutations() -> dict:
         "chunk_length_2_40": lambda m: m["files"]["rank-00000.data"]["chunks"][0].__setitem__(1, 2**40),
         "empty_chunk_table": lambda m: m["files"]["rank-00000.data"].__setitem__("chunks", []),
         "shape_2_42_elements": lambda m: m["tensors"]["w"].__setitem__("shape", [2**21, 2**21]),
-        "tree_names_unknown_tensor": lambda m: m["ranks"][0]["tree"]["items"][0][1].__setitem__("name", "nope"),
+        "tree_names_unknown_tensor": lambda m: m["trees"][0]["items"][0][1].__setitem__("name", "nope"),
         "deep_tree": deep,
+        "rank_names_a_tree_not_there": lambda m: m["ranks"][0].__setitem__(0, 1),
+        # runs of boxes (format 2): w as two halves, in rank 0's file and in rank 1's (a copy)
+        "run_names_a_rank_without_a_file": lambda m: _as_run(m, 2, [128, 2, 512]),
+        "run_of_2_40_boxes": lambda m: _as_run(m, 2**40, [0, 1, 0]),
+        "run_of_one_box": lambda m: _as_run(m, 1, [128, 1, 512]),
+        "run_in_one_rank": lambda m: _as_run(m, 2, [128, 0, 512]),
+        "run_past_the_shape": lambda m: _as_run(m, 2, [129, 1, 512]),
+        "run_past_a_files_end": lambda m: _as_run(m, 2, [128, 1, 1024]),
+        "run_stride_too_short": lambda m: _as_run(m, 2, [128, 1]),
+        "run_before_a_files_start": lambda m: _as_run(m, 2, [128, 1, -512]),
     }
+
+
+def _as_run(m: dict, repeat: int, stride: list) -> None:
+    """w's one box (256 floats in rank 0's file) as a run of ``repeat`` halves, and a rank 1
+    whose file is a copy of rank 0's (``_write_damaged`` copies it)."""
+    m["files"]["rank-00001.data"] = m["files"]["rank-00000.data"]
+    m["tensors"]["w"]["boxes"] = [{"offsets": [0], "sizes": [128], "pieces": [["rank-00000.data", 0, 512]],
+                                   "repeat": repeat, "stride": stride}]
 
 
 def _write_damaged(root: str, name: str) -> None:
@@ -42,6 +61,9 @@ def _write_damaged(root: str, name: str) -> None:
         raw = raw.replace('"__DEEP__"', result)
     with open(path, "w") as f:
         f.write(raw)
+    if "rank-00001.data" in m.get("files", {}):
+        step_dir = os.path.dirname(path)
+        shutil.copyfile(os.path.join(step_dir, "rank-00000.data"), os.path.join(step_dir, "rank-00001.data"))
 
 
 @pytest.fixture
@@ -76,3 +98,25 @@ def test_restore_falls_back_and_the_cli_names_the_step(damaged, caplog, capsys):
     assert not os.path.exists(os.path.join(copy, "step-0000000002"))
     assert ckpt_main(["prune", damaged, "--keep", "1"]) == 0  # the damaged step is neither counted nor deleted
     assert sorted(n for n in os.listdir(damaged) if n.startswith("step-")) == ["step-0000000001", "step-0000000002"]
+
+
+def test_a_run_of_boxes_restores_as_the_boxes_it_stands_for(tmp_path):
+    """The run the hostile cases above break, unbroken: w's halves from two ranks' files."""
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, keep=None) as ckpt:
+        ckpt.save(1, {"w": torch.full((256,), 1.0)})
+        ckpt.save(2, {"w": torch.arange(256.0)})
+    path = os.path.join(root, MANIFEST)
+    with open(path) as f:
+        m = json.load(f)
+    _as_run(m, 2, [128, 1, 512])
+    with open(path, "w") as f:
+        json.dump(m, f)
+    shutil.copyfile(os.path.join(root, "step-0000000002", "rank-00000.data"),
+                    os.path.join(root, "step-0000000002", "rank-00001.data"))
+    target = {"w": torch.zeros(256)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(target) == 2
+    # the second half came from rank 1's file at its offset 512: the copy's second half
+    assert torch.equal(target["w"], torch.arange(256.0))
+    assert ckpt_main(["verify", root, "--step", "2"]) == 0

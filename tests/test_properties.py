@@ -13,6 +13,7 @@ from resilient._errors import CheckpointCorruptError
 from resilient._format import decode_manifest
 from resilient._layout import Box, chunk_bounds, contiguous_range, even_split, intersect, replicated_slices, shard_box
 from resilient._regroup import Member, partners
+from resilient._box_runs import SavedBoxes
 from resilient._restore import _along_first_dim
 
 sizes_st = st.lists(st.integers(0, 5000), min_size=1, max_size=12)
@@ -82,7 +83,7 @@ def test_restore_skips_only_saved_boxes_that_cannot_meet_its_target(data, shape)
     target = data.draw(box_in(shape))
     saved = data.draw(st.lists(box_in(shape), max_size=8))
     boxes = [{"offsets": list(b.offsets), "sizes": list(b.sizes), "pieces": []} for b in saved]
-    kept = _along_first_dim(boxes, target)
+    kept = _along_first_dim(SavedBoxes(boxes), target)
     assert all(k in boxes for k in kept)
     assert [b for b in boxes if intersect(Box(tuple(b["offsets"]), tuple(b["sizes"])), target)] == \
         [b for b in kept if intersect(Box(tuple(b["offsets"]), tuple(b["sizes"])), target)]

@@ -1,0 +1,139 @@
+"""What a save's manifest costs as the job grows: its size, rank 0's work to assemble it, and
+each restoring rank's work to read it and plan its reads.
+
+    python -m benchmarks.bench_manifest [--ranks 128,1024,8192] [--tensors 100]
+                                        [--rng distinct] [--repeats 3] [--json PATH] [--render PATH]
+                                        [--no-netns]
+
+Every rank of an FSDP job reports what ``bench_commit_scale`` has it report (a shard of each
+of ``--tensors`` parameters and their two Adam moments, a 1 GB data file in 16 MB chunks, its
+tree), plus its random generators' state as ``capture_rng`` takes it: ``--rng distinct``
+seeds each rank's generators differently (the larger manifest), ``same`` seeds them alike
+(what most data-parallel scripts do). Measured in this process, CPU time, median of
+``--repeats``: **encode** (one rank's ``encode_report``), **assemble** (rank 0's
+``assemble_manifest`` of every report), the **manifest** (bytes each node's disk holds, and
+deflated, what the store sends to each leader), **decode** (``decode_manifest``: parse and
+validate, on every restoring rank) and **plan** (one restoring rank finding, for each of its
+tensors, the saved boxes its shard meets: what ``_restore._fill`` does before it reads).
+The last two are what every rank of a restore spends before the first byte is read; with
+eight ranks a node, eight times that of the node's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from benchmarks.bench_commit_scale import fsdp_report
+from benchmarks.bench_scale import add_run_options, rendered_or_moved
+from resilient._commit import assemble_manifest, encode_report
+from resilient._format import decode_manifest
+from resilient._layout import Box, intersect
+from resilient._restore import _along_first_dim
+from resilient._rng import capture_rng
+
+
+def rng_state(rank: int, distinct: bool) -> dict[str, Any]:
+    seed = rank if distinct else 0
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return capture_rng()
+
+
+def cpu_s(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Median CPU seconds of ``fn()`` over ``repeats`` runs, and its last result."""
+    samples, out = [], None
+    for _ in range(repeats):
+        out = None
+        gc.collect()
+        start = time.process_time()
+        out = fn()
+        samples.append(time.process_time() - start)
+    return statistics.median(samples), out
+
+
+def plan(manifest: dict[str, Any], rank: int, world: int) -> int:
+    """How many saved boxes rank ``rank`` of ``world`` reads from, planning its FSDP shard of
+    every tensor as ``_restore._fill`` does."""
+    met = 0
+    for meta in manifest["tensors"].values():
+        rows = meta["shape"][0] // world
+        target = Box((rows * rank, 0), (rows, meta["shape"][1]))
+        for saved in _along_first_dim(meta["boxes"], target):
+            if intersect(Box(tuple(saved["offsets"]), tuple(saved["sizes"])), target) is not None:
+                met += 1
+    return met
+
+
+def run_case(world: int, tensors: int, distinct: bool, repeats: int) -> dict[str, Any]:
+    reports = []
+    for r in range(world):
+        report = fsdp_report(r, world, tensors)
+        report["rng"] = rng_state(r, distinct)
+        reports.append(report)
+    encode_s, _ = cpu_s(lambda: encode_report(reports[world // 2]), repeats)
+    raws = [encode_report(r) for r in reports]
+    del reports
+    assemble, manifest = cpu_s(lambda: assemble_manifest(7, raws, "none"), repeats)
+    del raws
+    deflated = len(zlib.compress(manifest, 1))
+    decode, decoded = cpu_s(lambda: decode_manifest(manifest, "bench"), repeats)
+    planned, met = cpu_s(lambda: plan(decoded, world // 2, world), repeats)
+    assert met == 3 * tensors, f"rank {world // 2} met {met} saved boxes, expected {3 * tensors}"
+    return {"ranks": world, "tensors": 3 * tensors, "rng": "distinct" if distinct else "same",
+            "encode_ms": round(encode_s * 1e3, 2), "assemble_s": round(assemble, 3),
+            "manifest_mb": round(len(manifest) / 1e6, 2), "deflated_mb": round(deflated / 1e6, 2),
+            "decode_s": round(decode, 3), "plan_s": round(planned, 4)}
+
+
+def render(results: list[dict[str, Any]]) -> str:
+    lines = ["| ranks | manifest (deflated) | rank 0: assemble | every restoring rank: decode + plan |"
+             " a rank: encode its report |",
+             "|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r["ranks"]):
+        if "error" in r:
+            lines.append(f"| {r['ranks']} | {r['error'][:80]} | | | |")
+            continue
+        lines.append(f"| {r['ranks']} | {r['manifest_mb']:.1f} MB ({r['deflated_mb']:.1f} MB) | "
+                     f"{r['assemble_s']:.3f} s | {r['decode_s']:.3f} + {r['plan_s']:.3f} s | "
+                     f"{r['encode_ms']:.1f} ms |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_manifest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="128,1024,8192")
+    p.add_argument("--tensors", type=int, default=100, help="parameters per rank (each with two Adam moments)")
+    p.add_argument("--rng", choices=("distinct", "same"), default="distinct")
+    p.add_argument("--repeats", type=int, default=3)
+    add_run_options(p)  # --no-netns: nothing here uses the network, but the options are one set
+    args = p.parse_args(argv)
+    if rendered_or_moved(args, render, "benchmarks.bench_manifest", argv):
+        return
+    results: list[dict[str, Any]] = []
+    for world in (int(x) for x in args.ranks.split(",") if x):
+        try:
+            result = run_case(world, args.tensors, args.rng == "distinct", args.repeats)
+        except MemoryError as exc:  # a size this machine cannot hold
+            result = {"ranks": world, "error": f"MemoryError: {exc}"}
+        results.append(result)
+        print(json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""A tensor's saved boxes, written as runs: why a manifest stays small at thousands of ranks.
+
+An FSDP job of N ranks saves each tensor as N boxes: rank r's rows ``[r*k, (r+1)*k)``, in
+rank r's file, at the same offset in every file. Listed box by box (format version 1), the
+manifest grows as ranks x tensors (57 MB at 1,024 ranks of 300 tensors), every node's disk
+holds all of it and every restoring rank parses all of it before its first read. Version 2
+writes each such sequence once, as a *run*: its first box, ``repeat`` (how many), and
+``stride`` (what each next box adds: to every offset, to the rank whose file holds it, to
+the offset in that file). A run is an arithmetic sequence, so it is checked at its ends, and
+the boxes a restoring rank's shard meets are found by division, not by looking at all N.
+
+Rows (``ROW``): how a rank's boxes travel to rank 0, one int64 row per box, so that rank 0
+finds the runs across every rank's boxes with array operations (``find_runs``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+from ._names import data_file_name, parse_data_file
+
+__all__ = ["SavedBoxes", "box_rows", "canonical_rank", "check_run", "find_runs"]
+
+
+def box_rows(shards: list[list[Any]], names: list[str], ndim: int) -> np.ndarray:
+    """A rank's sharded boxes (``[name, offsets, sizes, file offset, nbytes]``) as rows of
+    ``[tensor index in names, offsets (padded to ndim), sizes (padded), file offset, nbytes]``."""
+    index = {n: i for i, n in enumerate(names)}
+    rows = np.zeros((len(shards), 3 + 2 * ndim), dtype="<i8")
+    for row, (name, offsets, sizes, at, nbytes) in zip(rows, shards):
+        row[0], row[-2], row[-1] = index[name], at, nbytes
+        row[1 : 1 + len(offsets)] = offsets
+        row[1 + ndim : 1 + ndim + len(sizes)] = sizes
+    return rows
+
+
+def find_runs(rows: np.ndarray, ndim: int) -> Iterator[tuple[np.ndarray, int, np.ndarray | None]]:
+    """``(first row, count, stride or None for a lone box)`` for each run of ``rows`` (``box_rows``' columns with the
+    rank inserted before the file offset), in row order; each row in exactly one run.
+
+    Consecutive rows join a run when they are of one tensor with the same sizes and bytes,
+    in different ranks, neither empty, and each step between them is the same. Greedy from
+    the first row: regular layouts give one run per tensor, ragged ones more, never wrong."""
+    n = len(rows)
+    if n == 0:
+        return
+    fixed = [0, *range(1 + ndim, 1 + 2 * ndim), 2 * ndim + 3]  # tensor, sizes, nbytes
+    moving = [*range(1, 1 + ndim), 2 * ndim + 1, 2 * ndim + 2]  # offsets, rank, file offset
+    step = np.diff(rows[:, moving], axis=0)
+    link = (np.all(rows[1:, fixed] == rows[:-1, fixed], axis=1) & (step[:, ndim] != 0)
+            & (rows[1:, -1] > 0))
+    # cont[j]: link j carries on the run of link j-1 (the same step); breaks: where it does not
+    cont = np.zeros(n - 1, dtype=bool)
+    cont[1:] = link[1:] & link[:-1] & np.all(step[1:] == step[:-1], axis=1)
+    breaks = np.flatnonzero(~cont)
+    i = 0
+    while i < n:
+        if i < n - 1 and link[i]:
+            after = np.searchsorted(breaks, i + 1)  # the first link from i+1 on that does not carry on
+            last_link = (breaks[after] - 1) if after < len(breaks) else n - 2
+            yield rows[i], int(last_link - i + 2), step[i]
+            i = int(last_link) + 2
+        else:
+            yield rows[i], 1, None
+            i += 1
+
+
+class SavedBoxes(Sequence[dict[str, Any]]):
+    """One tensor's saved boxes as the manifest lists them (boxes and runs), read as the
+    plain boxes (``{"offsets", "sizes", "pieces"}``) they stand for. Entries are validated
+    (``_format``) before this is built."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        self.entries = entries
+        self._starts = np.cumsum([0] + [e.get("repeat", 1) for e in entries])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return _nth(self.entries[k], i - int(self._starts[k]))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"SavedBoxes({self.entries!r})"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for entry in self.entries:
+            for i in range(entry.get("repeat", 1)):
+                yield _nth(entry, i)
+
+    def meeting_first_dim(self, lo: int, hi: int) -> list[dict[str, Any]]:
+        """The boxes whose first-dimension range meets ``[lo, hi)``: the only ones that can
+        intersect a target there. A run's are found by division (at 1,024 ranks x 300
+        tensors, a rank's planning no longer looks at 300,000 boxes)."""
+        met = []
+        for entry in self.entries:
+            n, first, size = entry.get("repeat", 1), entry["offsets"][0], entry["sizes"][0]
+            step = entry["stride"][0] if n > 1 else 0
+            if step > 0:  # box i: first + i*step < hi and lo < first + i*step + size
+                start, stop = max(0, (lo - first - size) // step + 1), min(n, (hi - first - 1) // step + 1)
+                met += [_nth(entry, i) for i in range(start, stop)]
+            elif step < 0:
+                met += [b for b in (_nth(entry, i) for i in range(n))
+                        if b["offsets"][0] < hi and lo < b["offsets"][0] + size]
+            elif first < hi and lo < first + size:
+                met += [_nth(entry, i) for i in range(n)]
+        return met
+
+
+def _nth(entry: dict[str, Any], i: int) -> dict[str, Any]:
+    """Box ``i`` of a manifest entry (a box is its own box 0)."""
+    if i == 0:
+        return {"offsets": entry["offsets"], "sizes": entry["sizes"], "pieces": entry["pieces"]}
+    stride, (fname, at, nbytes) = entry["stride"], entry["pieces"][0]
+    ndim = len(entry["offsets"])
+    rank = canonical_rank(fname) + i * stride[ndim]  # type: ignore[operator]
+    return {"offsets": [o + i * d for o, d in zip(entry["offsets"], stride)], "sizes": entry["sizes"],
+            "pieces": [[data_file_name(rank), at + i * stride[ndim + 1], nbytes]]}
+
+
+def canonical_rank(fname: str) -> int | None:
+    """The rank whose data file is named exactly ``fname``, else None: a run names its
+    boxes' files by rank, so only the names ``data_file_name`` gives can be part of one."""
+    rank = parse_data_file(fname)
+    return rank if rank is not None and data_file_name(rank) == fname else None
+
+
+def check_run(entry: dict[str, Any], shape: list[int], itemsize: int, ranks: np.ndarray, logical: np.ndarray,
+              fail: Any) -> int:
+    """Validate a run entry (``repeat`` >= 2) against the tensor's shape and the files
+    (``ranks``, sorted, and each one's ``logical`` size); return the elements it covers.
+    ``fail(field, why)`` raises. Checked at its ends (offsets and file offsets are linear in
+    the box's index) and, for the files, every box at once: each names a rank whose file
+    exists and holds its bytes."""
+    n, stride, pieces = entry.get("repeat"), entry.get("stride"), entry.get("pieces")
+    ndim = len(shape)
+    if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= len(ranks):
+        fail("repeat", f"must be an integer from 2 to the number of files ({len(ranks)})")
+    if (not isinstance(stride, list) or len(stride) != ndim + 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in stride) or stride[ndim] == 0):
+        fail("stride", f"must be {ndim + 2} integers (offsets, rank, file offset), the rank's not 0")
+    if not isinstance(pieces, list) or len(pieces) != 1 or not isinstance(pieces[0], list) or len(pieces[0]) != 3:
+        fail("pieces", "of a run must be one [rank's file, offset, nbytes]")
+    fname, at, nbytes = pieces[0]
+    sizes, offsets = entry["sizes"], entry["offsets"]
+    if not isinstance(fname, str) or canonical_rank(fname) is None:
+        fail("pieces", f"of a run must name a rank's data file, not {str(fname)[:60]!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (at, nbytes)):
+        fail("pieces", "must hold a non-negative offset and nbytes")
+    numel = math.prod(sizes)
+    if numel == 0 or nbytes != numel * itemsize:
+        fail("pieces", f"hold {nbytes} bytes a box, a box of a run needs {numel * itemsize} (and not 0)")
+    last = [o + (n - 1) * d for o, d in zip(offsets, stride)]
+    if any(o < 0 or o + s > dim for o, s, dim in zip(last, sizes, shape)):
+        fail("stride", f"takes box {n - 1} outside the tensor's shape (offsets {last[:4]})")
+    box_ranks = canonical_rank(fname) + np.arange(n, dtype=np.int64) * stride[ndim]
+    box_at = at + np.arange(n, dtype=np.int64) * stride[ndim + 1]
+    where = np.minimum(np.searchsorted(ranks, box_ranks), len(ranks) - 1)
+    if not np.array_equal(ranks[where], box_ranks):
+        missing = int(box_ranks[np.flatnonzero(ranks[where] != box_ranks)[0]])
+        fail("stride", f"names rank {missing}, which has no data file")
+    if box_at.min() < 0 or np.any(logical[where] < box_at + nbytes):
+        fail("stride", "takes a box's bytes outside its rank's file (before its start or past its end)")
+    return n * numel
+

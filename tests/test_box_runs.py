@@ -1,0 +1,133 @@
+"""Runs of saved boxes (format 2): the manifest rank 0 assembles from every rank's boxes
+lists, once decoded, exactly the boxes the ranks wrote, whatever the layout, and a
+restoring rank's first-dimension lookup finds exactly the ones its target meets."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from resilient._commit import assemble_manifest, encode_report
+from resilient._format import data_file_name, decode_manifest
+from resilient._layout import Box, intersect
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cuts(draw, dim: int, parts: int, even: bool) -> list[tuple[int, int]]:
+    """(offset, size) of ``parts`` non-empty slices of a dimension: even ones as torch.chunk
+    cuts them (the last smaller), else at random points."""
+    parts = min(parts, dim)
+    if even:
+        size = -(-dim // parts)
+        return [(o, min(size, dim - o)) for o in range(0, dim, size)]
+    points = sorted(draw(st.sets(st.integers(1, dim - 1), min_size=parts - 1, max_size=parts - 1))) if dim > 1 else []
+    edges = [0, *points, dim]
+    return [(a, b - a) for a, b in zip(edges, edges[1:])]
+
+
+@st.composite
+def layouts(draw):
+    """(world, tensors' shapes, every rank's boxes as [name, offsets, sizes]) for a random
+    sharding: a grid over the first one or two dimensions, its cells given to ranks in order,
+    shuffled, or at random (several to a rank, or none)."""
+    world = draw(st.integers(1, 6))
+    shapes, held = {}, {r: [] for r in range(world)}
+    for t in range(draw(st.integers(1, 3))):
+        name = f"t{t}"
+        shape = draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))
+        shapes[name] = shape
+        even = draw(st.booleans())
+        grid = [_cuts(draw, shape[0], draw(st.integers(1, world + 1)), even)]
+        if len(shape) > 1 and draw(st.booleans()):
+            grid.append(_cuts(draw, shape[1], draw(st.integers(1, 3)), even))
+        cells = [[c] for c in grid[0]] if len(grid) == 1 else [[a, b] for a in grid[0] for b in grid[1]]
+        mode = draw(st.sampled_from(["in order", "shuffled", "random"]))
+        order = list(range(len(cells)))
+        if mode == "shuffled":
+            order = draw(st.permutations(order))
+        for j, cell in enumerate(cells):
+            rank = draw(st.integers(0, world - 1)) if mode == "random" else order[j] % world
+            offsets = [o for o, _ in cell] + [0] * (len(shape) - len(cell))
+            sizes = [s for _, s in cell] + shape[len(cell):]
+            held[rank].append([name, offsets, sizes])
+    return world, shapes, held
+
+
+def _reports(world, shapes, held):
+    """What each rank reports having written its boxes one after another into its file."""
+    meta = {n: {"dtype": "float32", "shape": s, "layout": "sharded"} for n, s in shapes.items()}
+    tree = {"t": "dict", "items": [[n, {"t": "tensor", "name": n}] for n in shapes]}
+    reports, written = [], {}
+    for rank in range(world):
+        at, shards = 0, []
+        for name, offsets, sizes in held[rank]:
+            nbytes = math.prod(sizes) * 4
+            shards.append([name, offsets, sizes, at, nbytes])
+            written.setdefault(name, []).append((offsets, sizes, [data_file_name(rank), at, nbytes]))
+            at += nbytes
+        chunks = [[0, at, 0, at, 0, 0]] if at else []
+        reports.append({"rank": rank, "file": data_file_name(rank), "record": {"bytes": at, "chunks": chunks},
+                        "signature": "s", "meta": meta, "replicated": [], "shards": shards, "tree": tree,
+                        "rng": None})
+    return reports, written
+
+
+def _key(offsets, sizes, piece):
+    return json.dumps([list(offsets), list(sizes), list(piece)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(), st.data())
+def test_the_manifest_lists_exactly_the_boxes_written(layout, data):
+    world, shapes, held = layout
+    reports, written = _reports(world, shapes, held)
+    raw = assemble_manifest(3, [encode_report(r) for r in reports], "none")
+    manifest = decode_manifest(raw, "test")
+    for name, shape in shapes.items():
+        boxes = manifest["tensors"][name]["boxes"]
+        got = sorted(_key(b["offsets"], b["sizes"], b["pieces"][0]) for b in boxes)
+        assert got == sorted(_key(*w) for w in written[name])
+        assert len(boxes) == len(written[name]) and [boxes[i] for i in range(len(boxes))] == list(boxes)
+        lo = data.draw(st.integers(0, shape[0] - 1))
+        hi = data.draw(st.integers(lo + 1, shape[0]))
+        target = Box((lo, *[0] * (len(shape) - 1)), (hi - lo, *shape[1:]))
+        met = boxes.meeting_first_dim(lo, hi)
+        assert sorted(_key(b["offsets"], b["sizes"], b["pieces"][0]) for b in met) == sorted(
+            _key(b["offsets"], b["sizes"], b["pieces"][0]) for b in boxes
+            if intersect(Box(tuple(b["offsets"]), tuple(b["sizes"])), target) is not None)
+
+
+def test_an_fsdp_state_is_one_run_a_tensor_and_every_rank_shares_one_tree():
+    """What keeps the manifest from growing as ranks x tensors: 64 ranks, each holding rows
+    [4r, 4r+4) of three tensors, list each tensor once, and their one tree once."""
+    world = 64
+    shapes = {f"t{i}": [4 * world, 8] for i in range(3)}
+    held = {r: [[n, [4 * r, 0], [4, 8]] for n in shapes] for r in range(world)}
+    reports, _ = _reports(world, shapes, held)
+    raw = assemble_manifest(3, [encode_report(r) for r in reports], "none")
+    doc = json.loads(raw)
+    for i, name in enumerate(shapes):  # each rank's file: its rows of t0, of t1, of t2
+        assert doc["tensors"][name]["boxes"] == [{"offsets": [0, 0], "sizes": [4, 8],
+                                                  "pieces": [["rank-00000.data", 128 * i, 128]],
+                                                  "repeat": world, "stride": [4, 0, 1, 0]}]
+    assert len(doc["trees"]) == 1 and doc["ranks"] == [[0, None]] * world
+    boxes = decode_manifest(raw, "test")["tensors"]["t2"]["boxes"]
+    assert len(boxes) == world
+    assert boxes[37] == {"offsets": [148, 0], "sizes": [4, 8], "pieces": [["rank-00037.data", 256, 128]]}
+    assert boxes.meeting_first_dim(150, 157) == [boxes[37], boxes[38], boxes[39]]
+
+
+def test_distinct_rng_states_are_kept_per_rank_and_alike_ones_once():
+    world = 4
+    shapes = {"t": [world, 2]}
+    held = {r: [["t", [r, 0], [1, 2]]] for r in range(world)}
+    reports, _ = _reports(world, shapes, held)
+    for r in reports:
+        r["rng"] = {"torch": "same" if r["rank"] < 2 else f"own-{r['rank']}"}
+    raw = assemble_manifest(3, [encode_report(r) for r in reports], "none")
+    assert json.loads(raw)["ranks"] == [[0, 0], [0, 0], [0, 1], [0, 2]]
+    manifest = decode_manifest(raw, "test")
+    assert [r["rng"] for r in manifest["ranks"]] == [{"torch": "same"}] * 2 + [{"torch": "own-2"}, {"torch": "own-3"}]
