@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - a platform without isal's wheels
     import zlib as _deflate  # type: ignore[no-redef]
 
 from ._box_runs import box_rows, canonical_rank, find_runs
+from ._chunk_table import pack_chunks
 from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import FORMAT, VERSION
@@ -177,7 +178,9 @@ def encode_report(report: dict[str, Any]) -> bytes:
         return json.dumps({"rank": report["rank"], "error": report["error"]}).encode() + b"\n"
     names = sorted(report["meta"])
     ndim = max((len(m["shape"]) for m in report["meta"].values()), default=0)
-    pieces = [_json(report["meta"]), _json(report["record"]), _json(report["tree"]), _json(report["rng"]),
+    written = report["record"]  # None: a rank with nothing of its own to write has no file
+    record = None if written is None else {"bytes": written["bytes"], "table": pack_chunks(written["chunks"])}
+    pieces = [_json(report["meta"]), _json(record), _json(report["tree"]), _json(report["rng"]),
               box_rows(report["shards"], names, ndim).tobytes()]
     header = {"rank": report["rank"], "signature": report["signature"], "file": report["file"],
               "replicated": report["replicated"], "ndim": ndim, "sizes": [len(p) for p in pieces]}

@@ -11,7 +11,7 @@ on its own and each rank's tree and RNG state in ``ranks``)::
 
     {"format": "resilient.checkpoint", "version": 2, "step": 100, "world_size": 2,
      "created": 1764500000.0, "torch_version": "2.13.0", "codec": "none",
-     "files":   {"rank-00000.data": {"bytes": N, "chunks": [[off, len, soff, slen, crc32, codec]]}},
+     "files":   {"rank-00000.data": {"bytes": N, "table": "<base64: 13 bytes a chunk>"}},
      "tensors": {"model/w": {"dtype": "float32", "shape": [4, 4], "layout": "replicated",
                  "boxes": [{"offsets": [0, 0], "sizes": [4, 4],
                             "pieces": [["rank-00000.data", 0, 32], ["rank-00001.data", 0, 32]]}]},
@@ -21,9 +21,11 @@ on its own and each rank's tree and RNG state in ``ranks``)::
      "trees":   [{...}],  "rngs": [{...}, {...}],
      "ranks":   [[0, 0], [0, 1]]}
 
-A box with ``repeat`` is a run (``_box_runs``); ``ranks[r]`` is ``[tree, rng]``: indexes into
-``trees`` and ``rngs`` (or null), which hold each distinct one once. Decoded, every version
-reads alike: ``ranks[r]`` is ``{"tree": ..., "rng": ...}`` and a tensor's ``boxes`` a
+A box with ``repeat`` is a run (``_box_runs``); a file's ``table`` its packed chunks
+(``_chunk_table``); ``ranks[r]`` is ``[tree, rng]``: indexes into ``trees`` and ``rngs`` (or
+null), which hold each distinct one once. Decoded, every version reads alike: ``ranks[r]``
+is ``{"tree": ..., "rng": ...}``, a file's ``chunks`` a list of ``[offset, length, stored
+offset, stored length, crc32, codec]`` (a ``ChunkTable``) and a tensor's ``boxes`` a
 ``SavedBoxes``.
 """
 
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 
 from ._box_runs import SavedBoxes, canonical_rank, check_run
+from ._chunk_table import CODECS, MAX_CHUNK_BYTES, unpack_tables
 from ._errors import CheckpointCorruptError
 from ._names import data_file_name, parse_data_file, parse_step_dir, step_dir_name
 
@@ -95,9 +98,7 @@ def _ints(value: Any, where: str, field: str, *, length: int | None = None) -> l
     return value
 
 
-MAX_CHUNK_BYTES = 1 << 30  # a chunk's logical length; the writer uses 16 MiB
 MAX_TREE_DEPTH = 512
-_CODEC_IDS = (0, 1)  # raw, zstd (see _chunkio)
 _NODE_KINDS = ("dict", "list", "tuple", "tensor", "v", "obj", "per_rank")
 
 
@@ -129,7 +130,12 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
         _fail(where, "step", "and world_size must be >= 0 and >= 1")
     if len(manifest["ranks"]) != manifest["world_size"]:
         _fail(where, "ranks", "must have one entry per rank")
-    files = _Files({fname: _check_file(fname, record, where) for fname, record in manifest["files"].items()})
+    if manifest["version"] == 1:
+        files = _Files({fname: _check_file(fname, record, where) for fname, record in manifest["files"].items()})
+    else:
+        for fname, record in manifest["files"].items():
+            _check_file_record(fname, record, where)
+        files = _Files(unpack_tables(manifest["files"], lambda field, why: _fail(where, field, why)))
     for name, meta in manifest["tensors"].items():
         _check_tensor(name, meta, files, where)
     if manifest["version"] == 1:
@@ -187,14 +193,22 @@ class _Files:
         self.logical = np.array([size for _, size in by_rank], dtype=np.int64)
 
 
-def _check_file(fname: str, record: Any, where: str) -> int:
-    """Validate one file record; return the file's logical size (what its chunks decode to)."""
+def _check_file_record(fname: str, record: Any, where: str) -> int:
+    """A file's name and record, whatever the version; return its stored size."""
     fw = f"files[{fname!r}]"
     if not isinstance(fname, str) or "/" in fname or fname.startswith(".") or not isinstance(record, dict):
         _fail(where, fw, "is not a plain file name with a record")
     size = record.get("bytes")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         _fail(where, f"{fw}.bytes", "must be a non-negative integer")
+    return size
+
+
+def _check_file(fname: str, record: Any, where: str) -> int:
+    """Validate one version 1 file record (its chunks as lists); return the file's logical
+    size (what its chunks decode to)."""
+    fw = f"files[{fname!r}]"
+    size = _check_file_record(fname, record, where)
     chunks = record.get("chunks")
     if not isinstance(chunks, list):
         _fail(where, f"{fw}.chunks", "must be a list")
@@ -203,7 +217,7 @@ def _check_file(fname: str, record: Any, where: str) -> int:
         off, length, soff, slen, crc, codec = _ints(chunk, where, f"{fw}.chunks[{i}]", length=6)
         if off != logical or soff != stored:
             _fail(where, f"{fw}.chunks[{i}]", f"must start where the previous chunk ended ({logical}, {stored})")
-        if codec not in _CODEC_IDS or crc > 0xFFFFFFFF or length > MAX_CHUNK_BYTES:
+        if codec not in CODECS or crc > 0xFFFFFFFF or length > MAX_CHUNK_BYTES:
             _fail(where, f"{fw}.chunks[{i}]", "has an unknown codec, a bad CRC or a length over 1 GiB")
         if codec == 0 and slen != length:
             _fail(where, f"{fw}.chunks[{i}]", "is raw but its stored and logical lengths differ")

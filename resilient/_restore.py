@@ -76,15 +76,24 @@ class _Reader:
     """Turns 'these bytes of this saved box' into chunk read tasks across files."""
 
     def __init__(self, step_dir: str, manifest: dict[str, Any]) -> None:
-        for name, record in manifest["files"].items():  # the manifest's sizes against the real ones
-            size = os.path.getsize(os.path.join(step_dir, name))
-            if size != record["bytes"]:
-                raise CheckpointCorruptError(f"{os.path.join(step_dir, name)}: {size} bytes, the manifest says "
-                                             f"{record['bytes']}")
-        self.files = {
-            name: ChunkedFile(os.path.join(step_dir, name), record)
-            for name, record in manifest["files"].items()
-        }
+        self.step_dir = step_dir
+        self.records: dict[str, Any] = manifest["files"]
+        self.files: dict[str, ChunkedFile] = {}
+        self._lock = threading.Lock()
+
+    def file(self, name: str) -> ChunkedFile:
+        """``name``, its size checked against the manifest's on first use. Why not every file
+        up front: a rank of a job of thousands reads a few of their files; checking all of
+        them was a stat per file per rank, and each file's chunk table turned into lists."""
+        with self._lock:
+            opened = self.files.get(name)
+            if opened is None:
+                path, record = os.path.join(self.step_dir, name), self.records[name]
+                size = os.path.getsize(path)
+                if size != record["bytes"]:
+                    raise CheckpointCorruptError(f"{path}: {size} bytes, the manifest says {record['bytes']}")
+                opened = self.files[name] = ChunkedFile(path, record)
+            return opened
 
     def box_bytes(self, pieces: list[list[Any]], start: int, dest: memoryview) -> list[Task]:
         """Tasks filling ``dest`` with bytes ``[start, start+len(dest))`` of a saved box."""
@@ -93,7 +102,7 @@ class _Reader:
         for fname, offset, nbytes in pieces:
             lo, hi = max(start, pos), min(end, pos + nbytes)
             if lo < hi:
-                tasks += self.files[fname].read_tasks(offset + lo - pos, dest[filled : filled + hi - lo])
+                tasks += self.file(fname).read_tasks(offset + lo - pos, dest[filled : filled + hi - lo])
                 filled += hi - lo
             pos += nbytes
         if filled != len(dest):

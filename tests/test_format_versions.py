@@ -34,6 +34,14 @@ def _as_version_1(manifest: dict) -> dict:
     ranks = [{"tree": manifest["trees"][t], "rng": None if g is None else rngs[g]} for t, g in manifest["ranks"]]
     for meta in manifest["tensors"].values():
         assert all("repeat" not in box for box in meta["boxes"])  # one rank: no runs to expand
+    for record in manifest["files"].values():  # version 1 listed chunks, offsets included
+        rows = np.frombuffer(base64.b64decode(record.pop("table")),
+                             dtype=[("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"), ("codec", "u1")])
+        record["chunks"], off, soff = [], 0, 0
+        for length, stored, crc, codec in rows.tolist():
+            record["chunks"].append([off, length, soff, stored, crc, codec])
+            off, soff = off + length, soff + stored
+        assert soff == record["bytes"]
     rest = {k: v for k, v in manifest.items() if k not in ("trees", "rngs", "ranks")}
     return {**rest, "version": 1, "ranks": ranks}
 

@@ -1,10 +1,12 @@
 """Crafted or damaged manifests: restore loads the older step instead, every CLI command
 exits 1 with one line naming the step, nothing allocates what the manifest merely claims."""
 
+import base64
 import json
 import os
 import resource
 import shutil
+import numpy as np
 import pytest
 import torch
 
@@ -25,8 +27,14 @@ def _mutations() -> dict:
         "dtype_is_a_list": lambda m: m["tensors"]["w"].__setitem__("dtype", ["float32"]),
         "missing_shape": lambda m: m["tensors"]["w"].pop("shape"),
         "missing_files": lambda m: m.pop("files"),
-        "chunk_length_2_40": lambda m: m["files"]["rank-00000.data"]["chunks"][0].__setitem__(1, 2**40),
-        "empty_chunk_table": lambda m: m["files"]["rank-00000.data"].__setitem__("chunks", []),
+        "chunk_length_2_31": lambda m: _change_table(m, lambda rows: rows[0].__setitem__("length", 2**31)),
+        "chunk_codec_7": lambda m: _change_table(m, lambda rows: rows[0].__setitem__("codec", 7)),
+        "raw_chunk_stored_apart": lambda m: _change_table(m, lambda rows: rows[0].__setitem__("stored", 1000)),
+        "empty_chunk_table": lambda m: m["files"]["rank-00000.data"].__setitem__("table", ""),
+        "chunk_table_not_base64": lambda m: m["files"]["rank-00000.data"].__setitem__("table", "*" * 20),
+        "chunk_table_cut_mid_row": lambda m: m["files"]["rank-00000.data"].__setitem__(
+            "table", base64.b64encode(base64.b64decode(m["files"]["rank-00000.data"]["table"])[:-1]).decode()),
+        "chunk_table_a_list": lambda m: m["files"]["rank-00000.data"].__setitem__("table", [[0, 1024, 0, 1024, 0, 0]]),
         "shape_2_42_elements": lambda m: m["tensors"]["w"].__setitem__("shape", [2**21, 2**21]),
         "tree_names_unknown_tensor": lambda m: m["trees"][0]["items"][0][1].__setitem__("name", "nope"),
         "deep_tree": deep,
@@ -41,6 +49,15 @@ def _mutations() -> dict:
         "run_stride_too_short": lambda m: _as_run(m, 2, [128, 1]),
         "run_before_a_files_start": lambda m: _as_run(m, 2, [128, 1, -512]),
     }
+
+
+def _change_table(m: dict, change) -> None:
+    """Rank 0's packed chunk table (13-byte rows: length, stored, crc32, codec), changed."""
+    record = m["files"]["rank-00000.data"]
+    rows = np.frombuffer(base64.b64decode(record["table"]),
+                         dtype=[("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"), ("codec", "u1")]).copy()
+    change(rows)
+    record["table"] = base64.b64encode(rows.tobytes()).decode()
 
 
 def _as_run(m: dict, repeat: int, stride: list) -> None:
