@@ -2,12 +2,13 @@
 each restoring rank's work to read it and plan its reads.
 
     python -m benchmarks.bench_manifest [--ranks 128,1024,8192] [--tensors 100]
-                                        [--rng distinct] [--repeats 3] [--json PATH] [--render PATH]
+                                        [--rng distinct] [--repeats 3] [--tp 1] [--json PATH] [--render PATH]
                                         [--no-netns]
 
 Every rank of an FSDP job reports what ``bench_commit_scale`` has it report (a shard of each
 of ``--tensors`` parameters and their two Adam moments, a 1 GB data file in 16 MB chunks, its
-tree), plus its random generators' state as ``capture_rng`` takes it: ``--rng distinct``
+tree; with ``--tp``, on a 2-D mesh: FSDP over row-wise tensor parallel), plus its random
+generators' state as ``capture_rng`` takes it: ``--rng distinct``
 seeds each rank's generators differently (the larger manifest), ``same`` seeds them alike
 (what most data-parallel scripts do). Measured in this process, CPU time, median of
 ``--repeats``: **encode** (one rank's ``encode_report``), **assemble** (rank 0's
@@ -62,23 +63,41 @@ def cpu_s(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return statistics.median(samples), out
 
 
-def plan(manifest: dict[str, Any], rank: int, world: int) -> int:
-    """How many saved boxes rank ``rank`` of ``world`` reads from, planning its FSDP shard of
-    every tensor as ``_restore._fill`` does."""
+def plan(manifest: dict[str, Any], rank: int, world: int, tp: int = 1) -> int:
+    """How many saved boxes rank ``rank`` of ``world`` reads from, planning its shard of
+    every tensor (on the same mesh) as ``_restore._fill`` does."""
     met = 0
+    dp_index, tp_index = divmod(rank, tp)
     for meta in manifest["tensors"].values():
-        rows = meta["shape"][0] // world
-        target = Box((rows * rank, 0), (rows, meta["shape"][1]))
+        rows, cols = meta["shape"][0] // (world // tp), meta["shape"][1] // tp
+        target = Box((rows * dp_index, cols * tp_index), (rows, cols))
         for saved in _along_first_dim(meta["boxes"], target):
             if intersect(Box(tuple(saved["offsets"]), tuple(saved["sizes"])), target) is not None:
                 met += 1
     return met
 
 
-def run_case(world: int, tensors: int, distinct: bool, repeats: int) -> dict[str, Any]:
+def with_tensor_parallel(report: dict[str, Any], world: int, tp: int) -> dict[str, Any]:
+    """``fsdp_report``'s rank on a 2-D mesh instead: FSDP over ``world // tp`` ranks, row-wise
+    tensor parallel over ``tp`` (rank r = dp * tp + its tp index): its box is the rows of its
+    dp index and the columns of its tp index."""
+    dp_index, tp_index = divmod(report["rank"], tp)
+    for meta in report["meta"].values():
+        rows, cols = meta["shape"][0] // world, meta["shape"][1]
+        meta["shape"] = [rows * (world // tp), cols * tp]
+    for shard in report["shards"]:
+        rows, cols = shard[2]
+        shard[1] = [rows * dp_index, cols * tp_index]
+    report["signature"] += f"-tp{tp}"
+    return report
+
+
+def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1) -> dict[str, Any]:
     reports = []
     for r in range(world):
         report = fsdp_report(r, world, tensors)
+        if tp > 1:
+            report = with_tensor_parallel(report, world, tp)
         report["rng"] = rng_state(r, distinct)
         reports.append(report)
     encode_s, _ = cpu_s(lambda: encode_report(reports[world // 2]), repeats)
@@ -88,9 +107,9 @@ def run_case(world: int, tensors: int, distinct: bool, repeats: int) -> dict[str
     del raws
     deflated = len(zlib.compress(manifest, 1))
     decode, decoded = cpu_s(lambda: decode_manifest(manifest, "bench"), repeats)
-    planned, met = cpu_s(lambda: plan(decoded, world // 2, world), repeats)
+    planned, met = cpu_s(lambda: plan(decoded, world // 2, world, tp), repeats)
     assert met == 3 * tensors, f"rank {world // 2} met {met} saved boxes, expected {3 * tensors}"
-    return {"ranks": world, "tensors": 3 * tensors, "rng": "distinct" if distinct else "same",
+    return {"ranks": world, "tp": tp, "tensors": 3 * tensors, "rng": "distinct" if distinct else "same",
             "encode_ms": round(encode_s * 1e3, 2), "assemble_s": round(assemble, 3),
             "manifest_mb": round(len(manifest) / 1e6, 2), "deflated_mb": round(deflated / 1e6, 2),
             "decode_s": round(decode, 3), "plan_s": round(planned, 4)}
@@ -117,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tensors", type=int, default=100, help="parameters per rank (each with two Adam moments)")
     p.add_argument("--rng", choices=("distinct", "same"), default="distinct")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1, help="row-wise tensor parallel degree (a 2-D mesh with FSDP)")
     add_run_options(p)  # --no-netns: nothing here uses the network, but the options are one set
     args = p.parse_args(argv)
     if rendered_or_moved(args, render, "benchmarks.bench_manifest", argv):
@@ -124,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     results: list[dict[str, Any]] = []
     for world in (int(x) for x in args.ranks.split(",") if x):
         try:
-            result = run_case(world, args.tensors, args.rng == "distinct", args.repeats)
+            result = run_case(world, args.tensors, args.rng == "distinct", args.repeats, args.tp)
         except MemoryError as exc:  # a size this machine cannot hold
             result = {"ranks": world, "error": f"MemoryError: {exc}"}
         results.append(result)

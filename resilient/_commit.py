@@ -35,7 +35,7 @@ try:  # ISA-L's deflate, zlib's format: a 14 MB manifest in 7 ms at level 1, zli
 except ImportError:  # pragma: no cover - a platform without isal's wheels
     import zlib as _deflate  # type: ignore[no-redef]
 
-from ._box_runs import box_rows, canonical_rank, find_runs
+from ._box_runs import box_rows, canonical_rank, find_runs, in_fewest_runs
 from ._chunk_table import pack_chunks
 from ._coord import Coordinator
 from ._errors import CommitError
@@ -279,11 +279,11 @@ class _Distinct:
 
 def _sharded_boxes(meta: dict[str, Any], reports: list[_Report]) -> dict[str, list[bytes]]:
     """Every sharded tensor's boxes from all ranks, encoded as runs where they form them:
-    one array of every rank's rows, ordered by tensor and then rank, split into runs."""
+    one array of every rank's rows, each tensor's ordered to make the fewest, split into runs."""
     names = sorted(meta)
     ndim = reports[0].header["ndim"]
     rows = np.concatenate([r.box_rows() for r in reports]) if reports else np.zeros((0, 2 * ndim + 4), "<i8")
-    rows = rows[np.argsort(rows[:, 0], kind="stable")]
+    rows = in_fewest_runs(rows, ndim)
     boxes: dict[str, list[bytes]] = {}
     for row, count, stride in find_runs(rows, ndim):
         name = names[row[0]]

@@ -131,3 +131,28 @@ def test_distinct_rng_states_are_kept_per_rank_and_alike_ones_once():
     assert json.loads(raw)["ranks"] == [[0, 0], [0, 0], [0, 1], [0, 2]]
     manifest = decode_manifest(raw, "test")
     assert [r["rng"] for r in manifest["ranks"]] == [{"torch": "same"}] * 2 + [{"torch": "own-2"}, {"torch": "own-3"}]
+
+
+@pytest.mark.parametrize("tp_dim", [0, 1])
+def test_a_2d_mesh_is_one_run_per_tensor_parallel_rank(tp_dim):
+    """FSDP over tensor parallel: rank r = dp * TP + tp. Row-wise TP (tp_dim 1): rank r holds
+    rows of its dp index and columns of its tp index; column-wise (tp_dim 0, FSDP's strided
+    shard): TP cuts the rows into TP blocks and FSDP each block into DP. In rank order the
+    step changes every TP ranks (DP runs a tensor); ordered by offsets, TP runs."""
+    dp, tp, rows, cols = 16, 4, 2, 3
+    world = dp * tp
+    shapes = {"w": [rows * world, cols] if tp_dim == 0 else [rows * dp, cols * tp]}
+    held = {}
+    for r in range(world):
+        i, j = divmod(r, tp)
+        if tp_dim == 0:
+            held[r] = [["w", [rows * (j * dp + i), 0], [rows, cols]]]
+        else:
+            held[r] = [["w", [rows * i, cols * j], [rows, cols]]]
+    reports, written = _reports(world, shapes, held)
+    raw = assemble_manifest(3, [encode_report(r) for r in reports], "none")
+    entries = json.loads(raw)["tensors"]["w"]["boxes"]
+    assert len(entries) == tp and all(e["repeat"] == dp for e in entries)
+    boxes = decode_manifest(raw, "test")["tensors"]["w"]["boxes"]
+    assert sorted(_key(b["offsets"], b["sizes"], b["pieces"][0]) for b in boxes) == sorted(
+        _key(*w) for w in written["w"])
