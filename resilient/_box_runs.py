@@ -2,15 +2,17 @@
 
 An FSDP job of N ranks saves each tensor as N boxes: rank r's rows ``[r*k, (r+1)*k)``, in
 rank r's file, at the same offset in every file. Listed box by box (format version 1), the
-manifest grows as ranks x tensors (57 MB at 1,024 ranks of 300 tensors), every node's disk
-holds all of it and every restoring rank parses all of it before its first read. Version 2
-writes each such sequence once, as a *run*: its first box, ``repeat`` (how many), and
-``stride`` (what each next box adds: to every offset, to the rank whose file holds it, to
-the offset in that file). A run is an arithmetic sequence, so it is checked at its ends, and
-the boxes a restoring rank's shard meets are found by division, not by looking at all N.
+manifest grows as ranks x tensors (57 MB of boxes and trees at 1,024 ranks of 300 tensors),
+every node's disk holds all of it and every restoring rank parses all of it before its
+first read. Version 2 writes each such sequence once, as a *run*: its first box, ``repeat``
+(how many), and ``stride`` (what each next box adds: to every offset, to the rank whose file
+holds it, to the offset in that file). A run is an arithmetic sequence, so it is checked at
+its ends, and the boxes a restoring rank's shard meets are found by division, not by
+looking at all N.
 
-Rows (``ROW``): how a rank's boxes travel to rank 0, one int64 row per box, so that rank 0
-finds the runs across every rank's boxes with array operations (``find_runs``).
+Rows (``box_rows``): how a rank's boxes travel to rank 0, one int64 row per box, so that
+rank 0 orders every rank's boxes (``in_fewest_runs``) and finds the runs (``find_runs``)
+with array operations.
 """
 
 from __future__ import annotations
@@ -209,7 +211,11 @@ def check_run(entry: dict[str, Any], shape: list[int], itemsize: int, ranks: np.
     last = [o + (n - 1) * d for o, d in zip(offsets, stride)]
     if any(o < 0 or o + s > dim for o, s, dim in zip(last, sizes, shape)):
         fail("stride", f"takes box {n - 1} outside the tensor's shape (offsets {last[:4]})")
-    box_ranks = canonical_rank(fname) + np.arange(n, dtype=np.int64) * stride[ndim]
+    first_rank = canonical_rank(fname)
+    ends = (first_rank, first_rank + (n - 1) * stride[ndim], at, at + (n - 1) * stride[ndim + 1])
+    if not all(0 <= v < 1 << 62 for v in ends):  # linear between its ends: no box leaves the range
+        fail("stride", "takes a box's rank or file offset out of range")
+    box_ranks = first_rank + np.arange(n, dtype=np.int64) * stride[ndim]
     box_at = at + np.arange(n, dtype=np.int64) * stride[ndim + 1]
     where = np.minimum(np.searchsorted(ranks, box_ranks), len(ranks) - 1)
     if not np.array_equal(ranks[where], box_ranks):

@@ -48,6 +48,8 @@ def _mutations() -> dict:
         "run_past_a_files_end": lambda m: _as_run(m, 2, [128, 1, 1024]),
         "run_stride_too_short": lambda m: _as_run(m, 2, [128, 1]),
         "run_before_a_files_start": lambda m: _as_run(m, 2, [128, 1, -512]),
+        "run_file_offset_2_100": lambda m: _as_run(m, 2, [128, 1, 2**100]),
+        "run_rank_2_100": lambda m: _as_run(m, 2, [128, 2**100, 0]),
     }
 
 
