@@ -210,14 +210,13 @@ class _Report:
             at += size
         return cls(header, *pieces)
 
-    def box_rows(self) -> np.ndarray:
-        """Its boxes' rows with its file's rank inserted before the file offset (``find_runs``)."""
-        ndim = self.header["ndim"]
-        rows = np.frombuffer(self.rows, dtype="<i8").reshape(-1, 2 * ndim + 3)
+    def box_rows(self) -> tuple[np.ndarray, int]:
+        """Its boxes' rows, and the rank whose file holds them."""
+        rows = np.frombuffer(self.rows, dtype="<i8").reshape(-1, 2 * self.header["ndim"] + 3)
         rank = -1 if self.header["file"] is None else canonical_rank(self.header["file"])
         if len(rows) and (rank is None or rank < 0):
             raise ValueError(f"rank {self.header['rank']} reports boxes in file {self.header['file']!r}")
-        return np.insert(rows, 2 * ndim + 1, rank, axis=1)
+        return rows, -1 if rank is None else rank
 
 
 def assemble_manifest(step: int, raws: list[bytes], codec: str) -> bytes:
@@ -282,7 +281,9 @@ def _sharded_boxes(meta: dict[str, Any], reports: list[_Report]) -> dict[str, li
     one array of every rank's rows, each tensor's ordered to make the fewest, split into runs."""
     names = sorted(meta)
     ndim = reports[0].header["ndim"]
-    rows = np.concatenate([r.box_rows() for r in reports]) if reports else np.zeros((0, 2 * ndim + 4), "<i8")
+    tables, ranks = zip(*(r.box_rows() for r in reports))
+    in_file = np.repeat(np.array(ranks, dtype="<i8"), [len(t) for t in tables])
+    rows = np.insert(np.concatenate(tables), 2 * ndim + 1, in_file, axis=1)  # the rank, before the file offset
     rows = in_fewest_runs(rows, ndim)
     boxes: dict[str, list[bytes]] = {}
     for row, count, stride in find_runs(rows, ndim):
