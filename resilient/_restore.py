@@ -314,8 +314,9 @@ def _plan_entry(key: str, target: Any, node: dict[str, Any], manifest: dict[str,
                 world_size: int) -> tuple[_Entry, str]:
     """(the entry's restore plan, the path its live tensors are named under)."""
     if node["t"] != "per_rank":
-        if manifest["world_size"] != world_size and len({json.dumps(dict(r["tree"]["items"]).get(key))
-                                                        for r in manifest["ranks"]}) > 1:
+        resized = manifest["world_size"] != world_size
+        trees = {id(r["tree"]): r["tree"] for r in manifest["ranks"]}.values() if resized else []  # shared in format 2
+        if resized and len({json.dumps(dict(t["items"]).get(key)) for t in trees}) > 1:
             log.warning("resilient: key %r differs by rank in the checkpoint of step %d (saved by %d ranks); "
                         "at %d ranks, ranks beyond the old world get rank 0's. Wrap it in "
                         "resilient.PerRank(..., reshard=...) to decide", key, manifest["step"],

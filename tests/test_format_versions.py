@@ -103,3 +103,22 @@ def test_damaged_generator_states_fall_back_to_the_older_step(tmp_path, damage, 
         assert ckpt.restore(target) == 1
     assert torch.equal(target["w"], torch.full((4,), 1.0))
     assert "step-0000000002" in caplog.text
+
+
+def test_a_resized_restore_warns_of_an_entry_that_differs_by_rank_once_per_distinct_tree(caplog):
+    """Restoring into another world size, a plain entry whose saved value differs by rank is
+    named (ranks beyond the old world get rank 0's). Ranks sharing one tree (format 2) are
+    compared once; trees of format 1, one object per rank, still each count."""
+    from resilient._restore import _plan_entry
+
+    def tree(seen):
+        return {"t": "dict", "items": [["meta", {"t": "dict", "items": [["seen", {"t": "v", "v": seen}]]}]]}
+
+    shared = tree(7)
+    alike = {"step": 3, "world_size": 4096, "ranks": [{"tree": shared, "rng": None}] * 4096}
+    differing = {"step": 3, "world_size": 3, "ranks": [{"tree": tree(r), "rng": None} for r in range(3)]}
+    for manifest, warned in ((alike, False), (differing, True)):
+        caplog.clear()
+        node = dict(manifest["ranks"][0]["tree"]["items"])["meta"]
+        _plan_entry("meta", {}, node, manifest, rank=0, world_size=2)
+        assert ("'meta' differs by rank" in caplog.text) is warned
