@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_commit_scale [--nodes 8,32,128] [--ranks-per-node 8]
                                             [--tensors 100] [--saves 5] [--procs 8]
-                                            [--json PATH] [--render PATH]
+                                            [--rng-in none] [--json PATH] [--render PATH]
 
 What a save costs once every rank's file is written: the reports, the manifest, the
 leaders' commits and the outcomes, which is all that grows with the number of ranks. Each
@@ -13,7 +13,9 @@ are spread over ``--procs`` processes; the first rank of each node is its leader
 disks) and writes the manifest it commits to a file in /dev/shm (the disk's part of a commit
 is measured by ``bench_checkpoint``). Each rank reports what an FSDP rank reports: a shard of
 each of ``--tensors`` parameters and of their two Adam moments, a data file of 16 MB chunks
-(1 GB per rank) and the state's tree.
+(1 GB per rank) and the state's tree; with ``--rng-in``, its generator states too, each rank
+seeded differently: in its data file (``file``, what resilient writes) or in the manifest
+(``manifest``, where format 2 kept them).
 
 Figures per size, medians over ``--saves`` saves, every rank starting its part at one
 instant: **commit** (from then until the last rank knows the outcome), **CPU per node** (the
@@ -33,6 +35,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +43,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+import torch
+from isal.isal_zlib import crc32
+
 from benchmarks.bench_scale import add_run_options, process_cpu_s, raise_fd_limit, rendered_or_moved
+from resilient._rng import capture_rng, encode_rng
 
 CHUNK = 16 << 20
 RANK_BYTES = 1 << 30
@@ -55,6 +63,32 @@ class Case:
     per_node: int
     tensors: int
     indices: list[int]
+    rng_in: str = "none"
+
+
+def rng_state(rank: int, distinct: bool) -> dict[str, Any]:
+    """Rank ``rank``'s generator states as ``capture_rng`` takes them, each rank seeded
+    differently (``distinct``) or alike."""
+    seed = rank if distinct else 0
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return capture_rng()
+
+
+def with_rng(report: dict[str, Any], state: dict[str, Any], where: str) -> dict[str, Any]:
+    """``report`` with its rank's generator ``state`` where the writer puts it: after its
+    tensors in its data file, a raw chunk of its own (``file``, format 3), or in the report
+    for the manifest (``manifest``, as format 2 kept every rank's)."""
+    if where == "manifest":
+        report["rng"] = state
+    elif where == "file":
+        saved, record = encode_rng(state), report["record"]
+        at = record["bytes"]  # raw chunks: logical and stored offsets are the same
+        record["chunks"].append([at, len(saved), at, len(saved), crc32(saved), 0])
+        record["bytes"] += len(saved)
+        report["rng"] = [at, len(saved)]
+    return report
 
 
 def fsdp_report(rank: int, world: int, tensors: int) -> dict[str, Any]:
@@ -90,7 +124,8 @@ def serve(conn: Any, case: Case) -> None:
                               timeout=timedelta(seconds=TIMEOUT_S))
             coords[r] = StoreCoordinator(PrefixStore("resilient/bench/", client), rank=r, world_size=world,
                                          leader=r - r % case.per_node, leaders=leaders, session="bench")
-        reports = {r: fsdp_report(r, world, case.tensors) for r in case.indices}
+        reports = {r: with_rng(fsdp_report(r, world, case.tensors), rng_state(r, True), case.rng_in)
+                   if case.rng_in != "none" else fsdp_report(r, world, case.tensors) for r in case.indices}
     except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
         conn.send(("error", f"rank {len(coords)} of {len(case.indices)} in one process: {type(exc).__name__}: {exc}"))
         return
@@ -130,19 +165,20 @@ def serve(conn: Any, case: Case) -> None:
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int) -> dict[str, Any]:
+def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rng_in: str = "none") -> dict[str, Any]:
     from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
     world = nodes * per_node
-    result: dict[str, Any] = {"nodes": nodes, "ranks_per_node": per_node, "ranks": world, "tensors": tensors}
+    result: dict[str, Any] = {"nodes": nodes, "ranks_per_node": per_node, "ranks": world, "tensors": tensors,
+                              "rng_in": rng_in}
     ctx = mp.get_context("spawn")
     pipes, children = [], []
     try:
         for p in range(min(procs, world)):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=serve, args=(child, Case(server.port, nodes, per_node, tensors,
-                                                               list(range(p, world, procs)))), daemon=True)
+                                                               list(range(p, world, procs)), rng_in)), daemon=True)
             proc.start()
             pipes.append(parent)
             children.append(proc)
@@ -210,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tensors", type=int, default=100, help="parameters per rank (each with two Adam moments)")
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--procs", type=int, default=8)
+    p.add_argument("--rng-in", choices=("none", "file", "manifest"), default="none",
+                   help="each rank's generator states (seeded differently): none, in its data file, in the manifest")
     add_run_options(p)
     args = p.parse_args(argv)
     if rendered_or_moved(args, render, "benchmarks.bench_commit_scale", argv):
@@ -219,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for nodes in (int(x) for x in args.nodes.split(",") if x):
             try:
-                result = run_case(nodes, args.ranks_per_node, args.tensors, args.saves, args.procs)
+                result = run_case(nodes, args.ranks_per_node, args.tensors, args.saves, args.procs, args.rng_in)
             except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
                 result = {"nodes": nodes, "ranks_per_node": args.ranks_per_node,
                           "ranks": nodes * args.ranks_per_node, "error": f"{type(exc).__name__}: {exc}"}

@@ -2,7 +2,8 @@
 each restoring rank's work to read it and plan its reads.
 
     python -m benchmarks.bench_manifest [--ranks 128,1024,8192] [--tensors 100]
-                                        [--rng distinct] [--repeats 3] [--tp 1] [--json PATH] [--render PATH]
+                                        [--rng distinct] [--rng-in file] [--repeats 3] [--tp 1]
+                                        [--json PATH] [--render PATH]
                                         [--no-netns]
 
 Every rank of an FSDP job reports what ``bench_commit_scale`` has it report (a shard of each
@@ -10,7 +11,8 @@ of ``--tensors`` parameters and their two Adam moments, a 1 GB data file in 16 M
 tree; with ``--tp``, on a 2-D mesh: FSDP over row-wise tensor parallel), plus its random
 generators' state as ``capture_rng`` takes it: ``--rng distinct``
 seeds each rank's generators differently (the larger manifest), ``same`` seeds them alike
-(what most data-parallel scripts do). Measured in this process, CPU time, median of
+(what most data-parallel scripts do); ``--rng-in file`` puts them where resilient does, in the
+rank's data file, ``manifest`` where format 2 did. Measured in this process, CPU time, median of
 ``--repeats``: **encode** (one rank's ``encode_report``), **assemble** (rank 0's
 ``assemble_manifest`` of every report), the **manifest** (bytes each node's disk holds, and
 deflated, what the store sends to each leader), **decode** (``decode_manifest``: parse and
@@ -25,30 +27,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import statistics
 import time
 import zlib
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
-from benchmarks.bench_commit_scale import fsdp_report
+from benchmarks.bench_commit_scale import fsdp_report, rng_state, with_rng
 from benchmarks.bench_scale import add_run_options, rendered_or_moved
 from resilient._commit import assemble_manifest, encode_report
 from resilient._format import decode_manifest
 from resilient._layout import Box, intersect
 from resilient._restore import _along_first_dim
-from resilient._rng import capture_rng
-
-
-def rng_state(rank: int, distinct: bool) -> dict[str, Any]:
-    seed = rank if distinct else 0
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    return capture_rng()
 
 
 def cpu_s(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -92,16 +81,17 @@ def with_tensor_parallel(report: dict[str, Any], world: int, tp: int) -> dict[st
     return report
 
 
-def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1) -> dict[str, Any]:
+def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1,
+             rng_in: str = "file") -> dict[str, Any]:
     reports = []
     for r in range(world):
         report = fsdp_report(r, world, tensors)
         if tp > 1:
             report = with_tensor_parallel(report, world, tp)
-        report["rng"] = rng_state(r, distinct)
-        reports.append(report)
+        reports.append(with_rng(report, rng_state(r, distinct), rng_in))
     encode_s, _ = cpu_s(lambda: encode_report(reports[world // 2]), repeats)
     raws = [encode_report(r) for r in reports]
+    report_kb = zlib.compress(raws[world // 2], 1).__len__() / 1e3  # what a rank sends rank 0 (deflated)
     del reports
     assemble, manifest = cpu_s(lambda: assemble_manifest(7, raws, "none"), repeats)
     del raws
@@ -110,6 +100,7 @@ def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1
     planned, met = cpu_s(lambda: plan(decoded, world // 2, world, tp), repeats)
     assert met == 3 * tensors, f"rank {world // 2} met {met} saved boxes, expected {3 * tensors}"
     return {"ranks": world, "tp": tp, "tensors": 3 * tensors, "rng": "distinct" if distinct else "same",
+            "rng_in": rng_in, "report_kb": round(report_kb, 1),
             "encode_ms": round(encode_s * 1e3, 2), "assemble_s": round(assemble, 3),
             "manifest_mb": round(len(manifest) / 1e6, 2), "deflated_mb": round(deflated / 1e6, 2),
             "decode_s": round(decode, 3), "plan_s": round(planned, 4)}
@@ -117,7 +108,7 @@ def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1
 
 def render(results: list[dict[str, Any]]) -> str:
     lines = ["| ranks | manifest (deflated) | rank 0: assemble | every restoring rank: decode + plan |"
-             " a rank: encode its report |",
+             " a rank: encode its report (its size, deflated) |",
              "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["ranks"]):
         if "error" in r:
@@ -125,7 +116,7 @@ def render(results: list[dict[str, Any]]) -> str:
             continue
         lines.append(f"| {r['ranks']} | {r['manifest_mb']:.1f} MB ({r['deflated_mb']:.1f} MB) | "
                      f"{r['assemble_s']:.3f} s | {r['decode_s']:.3f} + {r['plan_s']:.3f} s | "
-                     f"{r['encode_ms']:.1f} ms |")
+                     f"{r['encode_ms']:.1f} ms" + (f" ({r['report_kb']:.1f} kB)" if "report_kb" in r else "") + " |")
     return "\n".join(lines)
 
 
@@ -135,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks", default="128,1024,8192")
     p.add_argument("--tensors", type=int, default=100, help="parameters per rank (each with two Adam moments)")
     p.add_argument("--rng", choices=("distinct", "same"), default="distinct")
+    p.add_argument("--rng-in", choices=("file", "manifest"), default="file",
+                   help="where the generator states go: the rank's data file (format 3) or the manifest (format 2)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp", type=int, default=1, help="row-wise tensor parallel degree (a 2-D mesh with FSDP)")
     add_run_options(p)  # --no-netns: nothing here uses the network, but the options are one set
@@ -144,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     results: list[dict[str, Any]] = []
     for world in (int(x) for x in args.ranks.split(",") if x):
         try:
-            result = run_case(world, args.tensors, args.rng == "distinct", args.repeats, args.tp)
+            result = run_case(world, args.tensors, args.rng == "distinct", args.repeats, args.tp, args.rng_in)
         except MemoryError as exc:  # a size this machine cannot hold
             result = {"ranks": world, "error": f"MemoryError: {exc}"}
         results.append(result)

@@ -799,8 +799,9 @@ class Checkpointer:
                 manifest = self._tier.read_manifest(step)
                 touched = loaded_here = True
                 saved_rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank,
-                                            coord.world_size, self._read_pool, strict=strict, coord=coord)
-                rng = parse_rng(saved_rng) if self.rng and saved_rng else None
+                                            coord.world_size, self._read_pool, strict=strict, coord=coord,
+                                            rng=self.rng)
+                rng = parse_rng(saved_rng) if saved_rng else None
             except OtherRankFailed as exc:  # that rank says why; this copy is not shown bad
                 failure = exc
             except (CheckpointCorruptError, OSError) as exc:

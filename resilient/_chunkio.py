@@ -182,9 +182,10 @@ def write_chunked(
     contiguous: memoryview | None = None,
     direct: bool = True,
     ready: Callable[[int], None] | None = None,
+    trailer: bytes = b"",
 ) -> dict:
     """Write ``blobs`` back to back into the file at ``path`` (whatever it held before is
-    overwritten and cut off), fsync it, return its record.
+    overwritten and cut off), then ``trailer`` as a chunk of its own, fsync it, return its record.
 
     Encoding (checksum, compression) of up to ``lookahead`` chunks runs on ``pool`` while
     this thread writes, so memory stays bounded by ``lookahead`` encoded chunks.
@@ -194,6 +195,9 @@ def write_chunked(
     buffered write leaves the file in the page cache, for a restart on this node.
     ``ready(end)``: called before any of the first ``end`` bytes of the blobs (back to back)
     is read, and returns once they are final: the blobs may still be being filled.
+    ``trailer``: a few bytes that are not a tensor's (the rank's generator states), kept in
+    its file so that the manifest, which every node receives, need not carry them; a chunk of
+    its own, so that reading them reads nothing else.
     """
     await_bytes = ready or (lambda end: None)
     codec_id = CODECS[codec]
@@ -210,9 +214,10 @@ def write_chunked(
             writer = _DirectWriter(path, contiguous)
         if writer is not None and writer.fd is not None:
             chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool, await_bytes)
-            os.ftruncate(fd, len(writer.source))
+            end = _append(fd, chunks, len(writer.source), len(writer.source), trailer)
+            os.ftruncate(fd, end)
             os.fsync(fd)
-            return {"bytes": len(writer.source), "chunks": chunks}
+            return {"bytes": end, "chunks": chunks}
 
         def encode(data: memoryview, end: int) -> tuple[memoryview | bytes, int, int]:
             await_bytes(end)
@@ -245,6 +250,7 @@ def write_chunked(
             chunks.append([logical, length, stored, len(view), crc, used])
             logical += length
             stored += len(view)
+        stored = _append(fd, chunks, logical, stored, trailer)
         os.ftruncate(fd, stored)
         os.fsync(fd)
     finally:
@@ -259,6 +265,18 @@ def write_chunked(
 #: 6 interleaved): 0.42 s in 64 MB writes, checksums computed meanwhile, against 0.86 s
 #: written chunk by chunk as each chunk's checksum came back (16 MB writes: 0.38-0.61 s).
 DIRECT_WRITE_BYTES = 64 << 20
+
+
+def _append(fd: int, chunks: list[list[int]], logical: int, stored: int, trailer: bytes) -> int:
+    """``trailer`` written at ``stored`` (through the page cache: it is small) as a raw
+    chunk at logical offset ``logical``, listed in ``chunks``; returns the file's new end."""
+    if not trailer:
+        return stored
+    written = 0
+    while written < len(trailer):
+        written += os.pwrite(fd, memoryview(trailer)[written:], stored + written)
+    chunks.append([logical, len(trailer), stored, len(trailer), crc32(trailer), RAW])
+    return stored + len(trailer)
 
 
 def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview], chunk_bytes: int,

@@ -253,12 +253,20 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str) -> bytes:
     ]
     files = [_json(r.header["file"]) + b":" + r.record for r in reports if r.header["file"] is not None]
     trees, rngs = _Distinct(), _Distinct()
-    ranks = _json([[trees.index(r.tree), None if r.rng == b"null" else rngs.index(r.rng)] for r in reports])
+    ranks = b"[" + b",".join(b"[%d,%s]" % (trees.index(r.tree), _rank_rng(r.rng, rngs)) for r in reports) + b"]"
     head = _json({"format": FORMAT, "version": VERSION, "step": step, "world_size": len(reports),
                   "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec})
     return b"".join([head[:-1], b',"files":{', b",".join(files), b'},"tensors":{', b",".join(tensors),
                      b'},"trees":[', b",".join(trees.kept), b'],"rngs":[', b",".join(rngs.kept),
                      b'],"ranks":', ranks, b"}"])
+
+
+def _rank_rng(encoded: bytes, rngs: "_Distinct") -> bytes:
+    """A rank's entry for its generator states: where in its file they are (``[offset,
+    length]``, as it reported), null, or, for a rank without a file, an index into ``rngs``."""
+    if encoded == b"null" or encoded.startswith(b"["):
+        return encoded
+    return b"%d" % rngs.index(encoded)
 
 
 class _Distinct:

@@ -6,10 +6,11 @@ JSON, never pickle: reading it runs no code, whoever wrote the bucket. It is val
 field by field before use, so a damaged or hostile manifest is an error that names the
 field, not a crash deep in the loader.
 
-Version 2 layout (``docs/format.md`` has the prose; version 1, still read, listed every box
-on its own and each rank's tree and RNG state in ``ranks``)::
+Version 3 layout (``docs/format.md`` has the prose; version 1, still read, listed every box
+on its own and each rank's tree and RNG state in ``ranks``; version 2, still read, kept every
+RNG state in ``rngs``)::
 
-    {"format": "resilient.checkpoint", "version": 2, "step": 100, "world_size": 2,
+    {"format": "resilient.checkpoint", "version": 3, "step": 100, "world_size": 2,
      "created": 1764500000.0, "torch_version": "2.13.0", "codec": "none",
      "files":   {"rank-00000.data": {"bytes": N, "table": "<base64: 13 bytes a chunk>"}},
      "tensors": {"model/w": {"dtype": "float32", "shape": [4, 4], "layout": "replicated",
@@ -18,15 +19,17 @@ on its own and each rank's tree and RNG state in ``ranks``)::
                  "model/v": {"dtype": "float32", "shape": [8], "layout": "sharded",
                  "boxes": [{"offsets": [0], "sizes": [4], "pieces": [["rank-00000.data", 32, 16]],
                             "repeat": 2, "stride": [4, 1, 0]}]}},
-     "trees":   [{...}],  "rngs": [{...}, {...}],
-     "ranks":   [[0, 0], [0, 1]]}
+     "trees":   [{...}],  "rngs": [],
+     "ranks":   [[0, [48, 10530]], [0, [48, 10544]]]}
 
 A box with ``repeat`` is a run (``_box_runs``); a file's ``table`` its packed chunks
-(``_chunk_table``); ``ranks[r]`` is ``[tree, rng]``: indexes into ``trees`` and ``rngs`` (or
-null), which hold each distinct one once. Decoded, every version reads alike: ``ranks[r]``
-is ``{"tree": ..., "rng": ...}``, a file's ``chunks`` a list of ``[offset, length, stored
-offset, stored length, crc32, codec]`` (a ``ChunkTable``) and a tensor's ``boxes`` a
-``SavedBoxes``.
+(``_chunk_table``); ``ranks[r]`` is ``[tree, rng]``: ``tree`` an index into ``trees``, which
+holds each distinct tree once; ``rng`` where rank r's generator states are in its own data
+file (``[logical offset, length]``, a chunk of their own), or, for a rank without a file, an
+index into ``rngs``, or null. Decoded, every version reads alike: ``ranks[r]`` is ``{"tree":
+..., "rng": ...}`` (with ``"rng_at": [file, offset, length]`` where the states are in a file),
+a file's ``chunks`` a list of ``[offset, length, stored offset, stored length, crc32,
+codec]`` (a ``ChunkTable``) and a tensor's ``boxes`` a ``SavedBoxes``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 from ._box_runs import SavedBoxes, canonical_rank, check_run
 from ._chunk_table import CODECS, MAX_CHUNK_BYTES, unpack_tables
 from ._errors import CheckpointCorruptError
+from ._rng import MAX_RNG_BYTES
 from ._names import data_file_name, parse_data_file, parse_step_dir, step_dir_name
 
 __all__ = [
@@ -59,8 +63,8 @@ __all__ = [
 ]
 
 FORMAT = "resilient.checkpoint"
-VERSION = 2
-READ_VERSIONS = (1, 2)
+VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
@@ -145,13 +149,15 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
             _check_tree_root(record.get("tree"), manifest["tensors"], where, f"ranks[{rank}].tree")
             _check_rng(record.get("rng"), where, f"ranks[{rank}].rng")
     else:
-        manifest["ranks"] = _shared_rank_states(manifest, where)
+        manifest["ranks"] = _shared_rank_states(manifest, files.logical_sizes, where)
     return manifest
 
 
-def _shared_rank_states(manifest: dict[str, Any], where: str) -> list[dict[str, Any]]:
-    """Version 2's ``ranks`` (``[tree, rng]`` indexes), each distinct tree and RNG state
-    checked once, as version 1's ``{"tree", "rng"}`` objects (sharing them)."""
+def _shared_rank_states(manifest: dict[str, Any], logical_sizes: dict[str, int], where: str) -> list[dict[str, Any]]:
+    """Version 2 and 3's ``ranks`` (``[tree, rng]``), each distinct tree and RNG state
+    checked once, as version 1's ``{"tree", "rng"}`` objects (sharing them); a rank whose
+    states are in its data file (version 3: ``rng`` is ``[offset, length]``) has
+    ``"rng_at": [file, offset, length]`` instead, checked to lie inside that file."""
     trees, rngs = manifest.get("trees"), manifest.get("rngs")
     if not isinstance(trees, list) or not isinstance(rngs, list):
         _fail(where, "trees", "and rngs must be lists")
@@ -159,13 +165,33 @@ def _shared_rank_states(manifest: dict[str, Any], where: str) -> list[dict[str, 
         _check_tree_root(tree, manifest["tensors"], where, f"trees[{i}]")
     for i, rng in enumerate(rngs):
         _check_rng(rng, where, f"rngs[{i}]")
+    in_files = manifest["version"] >= 3
     ranks = []
     for rank, pair in enumerate(manifest["ranks"]):
         if (not isinstance(pair, list) or len(pair) != 2 or not _is_index(pair[0], trees)
-                or not (pair[1] is None or _is_index(pair[1], rngs))):
-            _fail(where, f"ranks[{rank}]", "must be [index into trees, index into rngs or null]")
-        ranks.append({"tree": trees[pair[0]], "rng": None if pair[1] is None else rngs[pair[1]]})
+                or not (pair[1] is None or _is_index(pair[1], rngs) or (in_files and isinstance(pair[1], list)))):
+            _fail(where, f"ranks[{rank}]", "must be [index into trees, index into rngs, [offset, length] or null]"
+                  if in_files else "must be [index into trees, index into rngs or null]")
+        entry = {"tree": trees[pair[0]], "rng": None}
+        if isinstance(pair[1], list):
+            entry["rng_at"] = _rng_in_file(pair[1], rank, logical_sizes, where)
+        elif pair[1] is not None:
+            entry["rng"] = rngs[pair[1]]
+        ranks.append(entry)
     return ranks
+
+
+def _rng_in_file(at: list[Any], rank: int, logical_sizes: dict[str, int], where: str) -> list[Any]:
+    """``[file, offset, length]`` of rank ``rank``'s generator states: in its own file, inside
+    the file's logical bytes, at most ``MAX_RNG_BYTES`` (what a restoring rank will read)."""
+    field = f"ranks[{rank}][1]"
+    offset, length = _ints(at, where, field, length=2)
+    fname = data_file_name(rank)
+    if fname not in logical_sizes:
+        _fail(where, field, f"places the generator states in {fname}, which the checkpoint lacks")
+    if not 0 < length <= MAX_RNG_BYTES or offset + length > logical_sizes[fname]:
+        _fail(where, field, f"must be 1 to {MAX_RNG_BYTES} bytes inside {fname}'s {logical_sizes[fname]}")
+    return [fname, offset, length]
 
 
 def _is_index(value: Any, into: list[Any]) -> bool:

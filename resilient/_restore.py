@@ -52,6 +52,7 @@ from ._format import dtype_from_name, dtype_name
 from ._layout import Box, contiguous_range, intersect
 from ._snapshot import dtensor_box, is_dtensor
 from ._per_rank import PerRank, Reshard
+from ._rng import decode_rng
 from ._tree import build_value, flatten_target, is_stateful, per_rank_path
 
 __all__ = ["load_checkpoint", "OtherRankFailed"]
@@ -444,8 +445,10 @@ def load_checkpoint(
     *,
     strict: bool = True,
     coord: Coordinator | None = None,
+    rng: bool = True,
 ) -> dict[str, Any] | None:
-    """Load ``manifest``'s checkpoint into ``state``; return this rank's saved RNG state.
+    """Load ``manifest``'s checkpoint into ``state``; return this rank's saved RNG state
+    (``rng=False``: None, and it is not read).
 
     ``strict=False`` restores what the state and the checkpoint have in common: entries or
     module tensors absent from the checkpoint keep their current values, saved entries the
@@ -466,7 +469,7 @@ def load_checkpoint(
         if error is not None:
             raise error
         assert plan is not None
-        return _read_and_apply(state, manifest, step_dir, rank, world_size, pool, strict, plan, None)
+        return _read_and_apply(state, manifest, step_dir, rank, world_size, pool, strict, plan, None, rng)
     assert coord is not None
     device = coord.tensor_device
     offers = None if plan is None else sorted(
@@ -487,7 +490,7 @@ def load_checkpoint(
     if _through_page_cache(sum(n for _, n in shared), [o[2] for o in everyone], device):  # type: ignore[index]
         group = [r for r, other in enumerate(everyone) if other[1] == place]  # type: ignore[index]
     return _read_and_apply(state, manifest, step_dir, rank, world_size, pool, strict, plan,
-                           _Sharing(coord, shared, group))
+                           _Sharing(coord, shared, group), rng)
 
 
 def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], rank: int, world_size: int,
@@ -543,9 +546,10 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
 def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], step_dir: str, rank: int,
                     world_size: int, pool: Executor, strict: bool,
                     plan: tuple[dict[str, "_Destination"], list["_Entry"], dict[str, Any]],
-                    sharing: _Sharing | None) -> dict[str, Any] | None:
+                    sharing: _Sharing | None, rng: bool) -> dict[str, Any] | None:
     """Phase 2 (read, verify, share) and the rebuild of the state."""
     destinations, entries, record = plan
+    saved_rng = _SavedRngRead(record if rng else {})
     tensors_meta = manifest["tensors"]
     shared = sharing.names if sharing else set()
     copies: list[Task] = []
@@ -556,7 +560,7 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
         others: list[Future[None]] = []
         try:
             reader = _Reader(step_dir, manifest)
-            reads: list[Task] = []
+            reads: list[Task] = saved_rng.tasks(reader)
             moved: dict[str, tuple[list[Task], list[Task]]] = {}
             for name, dest in destinations.items():
                 if name not in shared:
@@ -593,7 +597,29 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
     # -- apply --------------------------------------------------------------------------------
     for entry in entries:
         entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict)
-    return record.get("rng")
+    return saved_rng.state(step_dir)
+
+
+class _SavedRngRead:
+    """A rank's saved generator states: in its record (formats 1 and 2, and a rank that had
+    no file), or read from its data file beside the tensors (format 3: ``rng_at``), the
+    chunk's checksum verified like theirs."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self._inline = record.get("rng")
+        self._at = record.get("rng_at")
+        self._buffer = bytearray(self._at[2]) if self._at else None
+
+    def tasks(self, reader: _Reader) -> list[Task]:
+        if self._at is None:
+            return []
+        assert self._buffer is not None
+        return list(reader.file(self._at[0]).read_tasks(self._at[1], memoryview(self._buffer)))
+
+    def state(self, step_dir: str) -> dict[str, Any] | None:
+        if self._buffer is None:
+            return self._inline
+        return decode_rng(self._buffer, os.path.join(step_dir, self._at[0]))
 
 
 class _FinishWhenRead:

@@ -3,14 +3,17 @@
 Saved by default so that a resumed run draws the same dropout masks and data order as an
 uninterrupted one; each rank keeps its own streams. The Mersenne Twister states of Python's
 and numpy's generators (624 words each) are kept as base64 of their little-endian words, not
-as lists of numbers, and torch's deflated: 10 kB a rank instead of 20, in a manifest that holds one entry per
-rank whose states differ, and a string the manifest's reader takes whole rather than parsing
-1,250 numbers (states saved as lists are still read).
+as lists of numbers, and torch's deflated: 10 kB a rank instead of 20, and a string a JSON
+reader takes whole rather than parsing 1,250 numbers (states saved as lists are still read).
+Since format 3 they are kept in the rank's own data file (``encode_rng``), not in the
+manifest: seeded differently, 8,192 ranks' states were 90 of its 100 MB, which every
+node's leader received at every save.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import random
 import zlib
 from dataclasses import dataclass
@@ -19,11 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SavedRng", "apply_rng", "capture_rng", "parse_rng"]
+__all__ = ["MAX_RNG_BYTES", "SavedRng", "apply_rng", "capture_rng", "decode_rng", "encode_rng", "parse_rng"]
 
 
 _DEFLATED = "z:"  # a generator state saved deflated: torch's CPU state is 5 kB, half of it zeros
 _MAX_STATE_BYTES = 1 << 20
+#: the most bytes a rank's encoded states may take in its data file (a manifest asking to
+#: read more is refused before anything is read): 11 kB on a CPU, 16 more a CUDA device
+MAX_RNG_BYTES = 1 << 20
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -64,6 +70,22 @@ def capture_rng() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def encode_rng(state: dict[str, Any]) -> bytes:
+    """``capture_rng``'s state as the bytes a data file keeps (JSON)."""
+    return json.dumps(state, separators=(",", ":")).encode()
+
+
+def decode_rng(raw: bytes | bytearray, where: str) -> dict[str, Any]:
+    """``encode_rng``'s bytes back; ``ValueError`` naming ``where`` if they are not a state."""
+    try:
+        state = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{where}: the generator states are not JSON ({exc})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: the generator states are not an object")
     return state
 
 

@@ -2,8 +2,9 @@
 
 Sequence for one save (``seq`` counts saves; every rank issues them in the same order):
 
-1. every rank: write ``rank-NNNNN.data`` from the staged buffer into the shared pending
-   directory, fsync it, publish a JSON report (file record, what it holds, its tree).
+1. every rank: write ``rank-NNNNN.data`` from the staged buffer (and its generator states
+   after it) into the shared pending directory, fsync it, publish a JSON report (file
+   record, what it holds, its tree).
 2. together, over the store (``_commit``): rank 0 assembles the manifest from every rank's
    report, each leader (one per storage location) commits it on its tier (see ``_local``),
    and every rank learns the outcome and settles the save's handle;
@@ -33,6 +34,7 @@ from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import data_file_name
 from ._local import LocalTier
+from ._rng import encode_rng
 from ._fence import SnapshotDone
 from ._snapshot import RankPlan
 
@@ -168,7 +170,9 @@ class BackgroundWriter:
         job.handle._mark("copied")
         name = data_file_name(rank) if job.buffer.numel() else None
         record = None
+        rng: Any = job.rng  # kept in the manifest only by a rank without a file
         if name is not None:
+            trailer = b"" if job.rng is None else encode_rng(job.rng)
             base = memoryview(job.buffer.numpy())
             views = [base[start:end] for start, end in job.plan.extents()]
             path = os.path.join(pending, name)
@@ -182,7 +186,10 @@ class BackgroundWriter:
                 contiguous=base[: job.plan.nbytes],
                 direct=self.direct_io,
                 ready=job.snapshot.ready,  # a copy still running after save: written as it comes
+                trailer=trailer,
             )
+            if trailer:
+                rng = [job.plan.nbytes, len(trailer)]  # where in the file: its logical bytes
             fsync_dir(pending)
         job.snapshot.wait()  # raises if the snapshot was torn: this rank's report is then an error
         job.handle._mark("written")
@@ -195,7 +202,7 @@ class BackgroundWriter:
             "replicated": job.plan.replicated,
             "shards": job.plan.shards,
             "tree": job.tree,
-            "rng": job.rng,
+            "rng": rng,
         }
 
     def _process(self, job: SaveJob) -> None:

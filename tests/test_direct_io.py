@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ import torch
 from resilient import Checkpointer
 from resilient import _chunkio
 from resilient._chunkio import DIRECT_ALIGN, ChunkedFile, write_chunked
+from resilient._errors import CheckpointCorruptError
 from resilient._hostmem import page_aligned_empty
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,6 +132,47 @@ def test_blobs_that_are_not_the_buffer_are_refused(tmp_path):
         write(str(tmp_path / "rank.data"), views[:-1], memoryview(buffer.numpy()))
 
 
+@pytest.mark.parametrize("path_taken", ["direct", "buffered", "zstd", "recycled"])
+def test_a_trailer_is_a_chunk_of_its_own_after_the_blobs(tmp_path, path_taken):
+    """A rank's generator states follow its tensors' bytes in its file: one raw chunk whose
+    logical offset is where the blobs end, read back alone and checked, on every write path
+    (a recycled file, longer than the new one, is cut after the trailer)."""
+    raw = page_aligned_empty(sum(SIZES) + 1)
+    buffer = raw[1:] if path_taken == "buffered" else raw[:-1]
+    views = filled(buffer)
+    buffer[: SIZES[0]].zero_()
+    path = str(tmp_path / "rank.data")
+    if path_taken == "recycled":
+        with open(path, "wb") as f:
+            f.write(b"\xff" * (sum(SIZES) + 100_000))
+    trailer = b'{"torch":"z:' + b"x" * 10_000 + b'"}'
+    with ThreadPoolExecutor(2) as pool:
+        record = write_chunked(path, views, codec="zstd" if path_taken == "zstd" else "none", chunk_bytes=1 << 20,
+                               pool=pool, contiguous=memoryview(buffer.numpy()), trailer=trailer)
+    last = record["chunks"][-1]
+    assert last[:2] == [sum(SIZES), len(trailer)] and last[5] == 0
+    assert last[2] + last[3] == record["bytes"] == os.path.getsize(path)
+    assert read_back(path, record, sum(SIZES)) == buffer.numpy().tobytes()
+    got = bytearray(len(trailer))
+    tasks = ChunkedFile(path, record).read_tasks(sum(SIZES), memoryview(got))
+    assert len(tasks) == 1
+    tasks[0]()
+    assert bytes(got) == trailer
+    with open(path, "r+b") as f:  # a flipped byte in it is caught by its own checksum
+        f.seek(last[2] + 5)
+        f.write(b"!")
+    with pytest.raises(CheckpointCorruptError, match="rank.data"):
+        for task in ChunkedFile(path, record).read_tasks(sum(SIZES), memoryview(got)):
+            task()
+
+
+def tensor_bytes(data_file: str) -> int:
+    """Where the tensors' bytes end in a one-rank checkpoint's file: the generator states
+    (written through the page cache: they are small) follow."""
+    with open(os.path.join(os.path.dirname(data_file), "manifest.json")) as f:
+        return json.load(f)["ranks"][0][1][0]
+
+
 def data_files(root) -> list[str]:
     return [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".data")]
 
@@ -148,7 +191,7 @@ def test_checkpoint_direct_or_buffered_restores_exactly(tmp_path, monkeypatch, e
         ckpt.save(1, state).result()
         data = data_files(tmp_path / "ckpt")
         assert len(data) == 1
-        resident = resident_pages(data[0])[:-1]
+        resident = resident_pages(data[0])[:tensor_bytes(data[0]) // mmap.PAGESIZE]  # not the RNG states after
         assert all(resident) if cached else not any(resident), resident.count(True)
         got = {"w": torch.zeros(1000, 333), "b": torch.zeros(17, dtype=torch.int16)}
         assert ckpt.restore(got) == 1

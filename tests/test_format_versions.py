@@ -1,6 +1,8 @@
-"""Checkpoints written by an older resilient (format version 1: boxes one by one, each rank's
-tree and RNG state in ``ranks``, generator words as lists of numbers) still restore, RNG
-states included, and the CLI reads them."""
+"""Checkpoints written by an older resilient still restore, RNG states included, and the CLI
+reads them: format version 2 (every RNG state in the manifest's ``rngs``, not in the rank's
+data file) and version 1 (boxes one by one, each rank's tree and RNG state in ``ranks``,
+generator words as lists of numbers). Damaged generator states, in a data file or in a
+manifest, make the restore fall back to the older step."""
 
 import base64
 import json
@@ -11,11 +13,37 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from isal.isal_zlib import crc32
 
 from resilient import Checkpointer
 from resilient.ckpt import main as ckpt_main
 
 pytestmark = pytest.mark.timeout(120)
+
+_ROW = np.dtype([("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"), ("codec", "u1")])
+
+
+def _rows(record: dict) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(record["table"]), dtype=_ROW).copy()
+
+
+def _as_version_2(manifest: dict, step_dir: str) -> dict:
+    """A version 3 manifest as version 2 wrote the same checkpoint: each rank's generator
+    states taken out of its data file (its last chunk, cut off) into ``rngs``."""
+    rngs, ranks = [], []
+    for rank, (tree, at) in enumerate(manifest["ranks"]):
+        if isinstance(at, list):
+            name = f"rank-{rank:05d}.data"
+            record, rows = manifest["files"][name], _rows(manifest["files"][name])
+            assert rows[-1]["length"] == at[1] and record["bytes"] == at[0] + at[1]  # raw, last
+            with open(os.path.join(step_dir, name), "r+b") as f:
+                f.seek(at[0])
+                rngs.append(json.loads(f.read(at[1])))
+                f.truncate(at[0])
+            record["table"], record["bytes"] = base64.b64encode(rows[:-1].tobytes()).decode(), at[0]
+            at = len(rngs) - 1
+        ranks.append([tree, at])
+    return {**manifest, "version": 2, "rngs": rngs, "ranks": ranks}
 
 
 def _as_version_1(manifest: dict) -> dict:
@@ -35,18 +63,30 @@ def _as_version_1(manifest: dict) -> dict:
     for meta in manifest["tensors"].values():
         assert all("repeat" not in box for box in meta["boxes"])  # one rank: no runs to expand
     for record in manifest["files"].values():  # version 1 listed chunks, offsets included
-        rows = np.frombuffer(base64.b64decode(record.pop("table")),
-                             dtype=[("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"), ("codec", "u1")])
+        rows = _rows(record)
         record["chunks"], off, soff = [], 0, 0
         for length, stored, crc, codec in rows.tolist():
             record["chunks"].append([off, length, soff, stored, crc, codec])
             off, soff = off + length, soff + stored
+        del record["table"]
         assert soff == record["bytes"]
     rest = {k: v for k, v in manifest.items() if k not in ("trees", "rngs", "ranks")}
     return {**rest, "version": 1, "ranks": ranks}
 
 
-def test_a_version_1_checkpoint_restores_with_its_generators(tmp_path, capsys):
+def _rewrite(root: str, step: int, change) -> None:
+    """The manifest of ``step`` replaced by ``change(manifest, step_dir)``."""
+    step_dir = os.path.join(root, f"step-{step:010d}")
+    path = os.path.join(step_dir, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    assert manifest["version"] == 3
+    with open(path, "w") as f:
+        json.dump(change(manifest, step_dir), f)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_checkpoint_restores_with_its_generators(tmp_path, capsys, version):
     root = str(tmp_path / "ckpt")
     random.seed(1)
     np.random.seed(2)
@@ -55,12 +95,7 @@ def test_a_version_1_checkpoint_restores_with_its_generators(tmp_path, capsys):
     with Checkpointer(root) as ckpt:
         ckpt.save(5, state)
     expected = (random.random(), float(np.random.rand()), torch.rand(2))
-    path = os.path.join(root, "step-0000000005", "manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    assert manifest["version"] == 2
-    with open(path, "w") as f:
-        json.dump(_as_version_1(manifest), f)
+    _rewrite(root, 5, lambda m, d: _as_version_2(m, d) if version == 2 else _as_version_1(_as_version_2(m, d)))
 
     random.seed(9)
     np.random.seed(9)
@@ -76,33 +111,82 @@ def test_a_version_1_checkpoint_restores_with_its_generators(tmp_path, capsys):
     assert "epoch" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("damage", ["torch_state_cut", "torch_state_bomb", "python_words_short", "numpy_kind"])
-def test_damaged_generator_states_fall_back_to_the_older_step(tmp_path, damage, caplog):
-    """A rank's generator states are checked while the restore can still choose another
-    step, not applied half-way after the tensors are loaded."""
-    root = str(tmp_path / "ckpt")
+def _two_steps(root: str) -> None:
     with Checkpointer(root, keep=None) as ckpt:
         ckpt.save(1, {"w": torch.full((4,), 1.0)})
         ckpt.save(2, {"w": torch.full((4,), 2.0)})
-    path = os.path.join(root, "step-0000000002", "manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    rng = manifest["rngs"][0]
-    if damage == "torch_state_cut":
-        rng["torch"] = "z:" + base64.b64encode(zlib.compress(b"\0" * 100)).decode()
-    elif damage == "torch_state_bomb":
-        rng["torch"] = "z:" + base64.b64encode(zlib.compress(b"\0" * (64 << 20))).decode()
-    elif damage == "python_words_short":
-        rng["python"][1] = base64.b64encode(b"\1\0\0\0" * 10).decode()
-    else:
-        rng["numpy"][0] = "not-a-generator"
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+
+
+def _restores_step_1(root: str, caplog) -> None:
     target = {"w": torch.zeros(4)}
     with Checkpointer(root) as ckpt:
         assert ckpt.restore(target) == 1
     assert torch.equal(target["w"], torch.full((4,), 1.0))
     assert "step-0000000002" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["torch_state_cut", "torch_state_bomb", "python_words_short", "numpy_kind"])
+def test_damaged_generator_states_fall_back_to_the_older_step(tmp_path, damage, caplog):
+    """A rank's generator states are checked while the restore can still choose another
+    step, not applied half-way after the tensors are loaded (here states kept in the
+    manifest, as version 2 did: a checksum covers them in a data file)."""
+    root = str(tmp_path / "ckpt")
+    _two_steps(root)
+
+    def damaged(manifest: dict, step_dir: str) -> dict:
+        manifest = _as_version_2(manifest, step_dir)
+        rng = manifest["rngs"][0]
+        if damage == "torch_state_cut":
+            rng["torch"] = "z:" + base64.b64encode(zlib.compress(b"\0" * 100)).decode()
+        elif damage == "torch_state_bomb":
+            rng["torch"] = "z:" + base64.b64encode(zlib.compress(b"\0" * (64 << 20))).decode()
+        elif damage == "python_words_short":
+            rng["python"][1] = base64.b64encode(b"\1\0\0\0" * 10).decode()
+        else:
+            rng["numpy"][0] = "not-a-generator"
+        return manifest
+
+    _rewrite(root, 2, damaged)
+    _restores_step_1(root, caplog)
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "not_json_checksum_fixed", "a_list_checksum_fixed"])
+def test_generator_states_damaged_in_the_data_file_fall_back_to_the_older_step(tmp_path, damage, caplog):
+    """Format 3 keeps a rank's states in its data file, as a chunk of their own: a flipped
+    byte fails its checksum; bytes that are not states, with a checksum that matches them
+    (a hostile writer), fail to parse. Either way the older step is restored. A restore
+    that does not want the states (``rng=False``) does not read them."""
+    root = str(tmp_path / "ckpt")
+    _two_steps(root)
+    step_dir = os.path.join(root, "step-0000000002")
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        offset, length = json.load(f)["ranks"][0][1]
+    path = os.path.join(step_dir, "rank-00000.data")
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        saved = f.read(length)
+        assert json.loads(saved)["torch"].startswith("z:")
+        if damage == "flipped_byte":
+            replacement = saved[:100] + bytes([saved[100] ^ 1]) + saved[101:]
+        elif damage == "not_json_checksum_fixed":
+            replacement = b"{" * length
+        else:
+            replacement = b"[" + b" " * (length - 2) + b"]"
+        f.seek(offset)
+        f.write(replacement)
+    if damage != "flipped_byte":
+        def with_checksum(manifest: dict, step_dir: str) -> dict:
+            record = manifest["files"]["rank-00000.data"]
+            rows = _rows(record)
+            rows[-1]["crc"] = crc32(replacement)
+            record["table"] = base64.b64encode(rows.tobytes()).decode()
+            return manifest
+        _rewrite(root, 2, with_checksum)
+    target = {"w": torch.zeros(4)}
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore(target) == 2
+    assert torch.equal(target["w"], torch.full((4,), 2.0))
+    _restores_step_1(root, caplog)
 
 
 def test_a_resized_restore_warns_of_an_entry_that_differs_by_rank_once_per_distinct_tree(caplog):

@@ -45,11 +45,18 @@ def _mutations() -> dict:
         "run_of_one_box": lambda m: _as_run(m, 1, [128, 1, 512]),
         "run_in_one_rank": lambda m: _as_run(m, 2, [128, 0, 512]),
         "run_past_the_shape": lambda m: _as_run(m, 2, [129, 1, 512]),
-        "run_past_a_files_end": lambda m: _as_run(m, 2, [128, 1, 1024]),
+        "run_past_a_files_end": lambda m: _as_run(m, 2, [128, 1, 1 << 20]),  # the file holds 1 kB + RNG states
         "run_stride_too_short": lambda m: _as_run(m, 2, [128, 1]),
         "run_before_a_files_start": lambda m: _as_run(m, 2, [128, 1, -512]),
         "run_file_offset_2_100": lambda m: _as_run(m, 2, [128, 1, 2**100]),
         "run_rank_2_100": lambda m: _as_run(m, 2, [128, 2**100, 0]),
+        # a rank's generator states in its data file (format 3): [offset, length]
+        "rng_past_a_files_end": lambda m: m["ranks"][0][1].__setitem__(0, 1 << 20),
+        "rng_of_2_30_bytes": lambda m: m["ranks"][0].__setitem__(1, [0, 2**30]),
+        "rng_of_no_bytes": lambda m: m["ranks"][0][1].__setitem__(1, 0),
+        "rng_negative_offset": lambda m: m["ranks"][0][1].__setitem__(0, -1),
+        "rng_a_string": lambda m: m["ranks"][0].__setitem__(1, "rank-00000.data"),
+        "rng_three_numbers": lambda m: m["ranks"][0][1].append(5),
     }
 
 
