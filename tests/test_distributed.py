@@ -1,5 +1,6 @@
 """Multi-process runs on gloo (127.0.0.1): kill and resume, resharding, crashes mid-write."""
 
+import json
 import os
 
 import pytest
@@ -153,6 +154,30 @@ def test_per_rank_state_is_kept_per_rank_and_resharded_only_by_a_rule(tmp_path):
         assert all("per-rank ok" in r.output for r in results), [r.output[-1500:] for r in results]
         if world != 2:
             assert all("refused without a rule" in r.output for r in results)
+
+
+def test_each_ranks_generators_resume_as_saved_at_any_world_size(tmp_path):
+    """Three ranks seeded differently. Step 4 is one byte: only rank 2 writes a data file and
+    keeps its states there, ranks 0 and 1 keep theirs in the manifest. Step 5: every rank's
+    are in its file. Restored on 3, 2 or 4 ranks, each rank draws what its saved rank drew
+    next; a rank beyond the saved world, what rank 0 drew."""
+    root, out = str(tmp_path / "ckpt"), str(tmp_path)
+    run_ranks("rng_per_rank_save", 3, {"root": root, "out": out})
+    manifests = {}
+    for step in (4, 5):
+        with open(os.path.join(root, f"step-{step:010d}", "manifest.json")) as f:
+            manifests[step] = json.load(f)
+    assert sorted(manifests[4]["files"]) == ["rank-00002.data"]
+    assert [r[1] for r in manifests[4]["ranks"]][:2] == [0, 1] and isinstance(manifests[4]["ranks"][2][1], list)
+    assert manifests[5]["rngs"] == [] and all(isinstance(r[1], list) for r in manifests[5]["ranks"])
+    for step in (4, 5):
+        saved = [json.load(open(os.path.join(out, f"saved-{step}-{r}.json"))) for r in range(3)]
+        assert len({json.dumps(d) for d in saved}) == 3
+        for world in (3, 2, 4):
+            run_ranks("rng_per_rank_restore", world, {"root": root, "out": out, "step": step})
+            for rank in range(world):
+                got = json.load(open(os.path.join(out, f"{step}-{world}-{rank}.json")))
+                assert got == saved[rank if rank < 3 else 0], (step, world, rank)
 
 
 def test_torchdata_stateful_dataloader_kept_per_rank(tmp_path):

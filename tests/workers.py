@@ -228,6 +228,55 @@ def per_rank_restore(a: dict) -> None:
     print(f"rank {rank} per-rank ok (from saved rank {source})", flush=True)
 
 
+def _draws() -> list:
+    import random
+
+    import numpy as np
+
+    return [random.random(), float(np.random.rand()), torch.rand(2).tolist()]
+
+
+def rng_per_rank_save(a: dict) -> None:
+    """Each rank seeded differently. Step 4 saves one byte, so that only the last rank writes
+    a data file (the others keep their states in the manifest); step 5 twelve floats, a file
+    on every rank. After each save, writes the rank's next draws to ``out``/saved-STEP-RANK.json."""
+    import random
+
+    import numpy as np
+
+    rank, world = init()
+    random.seed(100 + rank)
+    np.random.seed(200 + rank)
+    torch.manual_seed(300 + rank)
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        for step, w in ((4, torch.tensor([world], dtype=torch.uint8)), (5, torch.full((12,), float(world)))):
+            ckpt.save(step, {"w": w}, force=True).result()
+            with open(os.path.join(a["out"], f"saved-{step}-{rank}.json"), "w") as f:
+                json.dump(_draws(), f)
+    print(f"rank {rank} saved", flush=True)
+
+
+def rng_per_rank_restore(a: dict) -> None:
+    """Restores step ``step`` at this world size; writes the draws that follow to
+    ``out``/STEP-WORLD-RANK.json."""
+    import random
+
+    import numpy as np
+
+    rank, world = init()
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    step = a["step"]
+    state = {"w": torch.zeros(1, dtype=torch.uint8) if step == 4 else torch.zeros(12)}
+    with Checkpointer(a["root"]) as ckpt:
+        assert ckpt.restore(state, step=step) == step
+    assert state["w"][0].item() == 3
+    with open(os.path.join(a["out"], f"{step}-{world}-{rank}.json"), "w") as f:
+        json.dump(_draws(), f)
+    print(f"rank {rank} restored", flush=True)
+
+
 def _stateful_loader(seed: int):
     """A shuffling loader whose sampler draws its own generator (seeded from torch's global
     one), so its saved state carries that generator: different on every rank."""
@@ -363,7 +412,7 @@ SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dte
                                      remote_differs_by_rank,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore,
                                      stateful_dataloader_per_rank, replicated_save, replicated_restore,
-                                     recycled_saves)}
+                                     recycled_saves, rng_per_rank_save, rng_per_rank_restore)}
 
 def finish_scenario() -> None:
     """End a scenario process: barrier, tear down the group, exit without interpreter teardown.
