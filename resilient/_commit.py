@@ -212,7 +212,7 @@ class _Report:
 
     def box_rows(self) -> tuple[np.ndarray, int]:
         """Its boxes' rows, and the rank whose file holds them."""
-        rows = np.frombuffer(self.rows, dtype="<i8").reshape(-1, 2 * self.header["ndim"] + 3)
+        rows = np.frombuffer(self.rows, dtype="<i8").reshape(-1, 2 * self.header["ndim"] + 4)
         rank = -1 if self.header["file"] is None else canonical_rank(self.header["file"])
         if len(rows) and (rank is None or rank < 0):
             raise ValueError(f"rank {self.header['rank']} reports boxes in file {self.header['file']!r}")
@@ -290,11 +290,11 @@ def _sharded_boxes(meta: dict[str, Any], reports: list[_Report]) -> dict[str, li
     names = sorted(meta)
     ndim = reports[0].header["ndim"]
     tables, ranks = zip(*(r.box_rows() for r in reports))
-    in_file = np.repeat(np.array(ranks, dtype="<i8"), [len(t) for t in tables])
-    rows = np.insert(np.concatenate(tables), 2 * ndim + 1, in_file, axis=1)  # the rank, before the file offset
-    rows = in_fewest_runs(rows, ndim)
+    rows = np.concatenate(tables)
+    rows[:, 2 * ndim + 1] = np.repeat(np.array(ranks, dtype="<i8"), [len(t) for t in tables])  # the rank's column
+    rows, steps = in_fewest_runs(rows, ndim)
     boxes: dict[str, list[bytes]] = {}
-    for row, count, stride in find_runs(rows, ndim):
+    for row, count, stride in find_runs(rows, ndim, steps):
         name = names[row[0]]
         dims = len(meta[name]["shape"])
         entry: dict[str, Any] = {
