@@ -92,19 +92,25 @@ def with_rng(report: dict[str, Any], state: dict[str, Any], where: str) -> dict[
 
 
 def fsdp_report(rank: int, world: int, tensors: int) -> dict[str, Any]:
-    """What rank ``rank`` of ``world`` reports after writing an FSDP state: every tensor
-    sharded along dim 0, one slice per rank, parameters first and then the Adam moments."""
-    rows, cols = 64, 4096
+    """What rank ``rank`` of ``world`` reports after writing an FSDP state of about 1 GB:
+    every tensor sharded along dim 0, one slice per rank, parameters first and then the Adam
+    moments, and the chunks resilient writes for them (``_chunkio``: a chunk never spans two
+    tensors, so one at least per tensor, at most 16 MB)."""
+    cols = 4096
     names = [f"{kind}/layers.{i}.weight" for kind in ("model", "optim.exp_avg", "optim.exp_avg_sq")
              for i in range(tensors)]
+    rows = max(1, RANK_BYTES // (len(names) * cols * 4))
     nbytes = rows * cols * 4
     meta = {n: {"dtype": "float32", "shape": [rows * world, cols], "layout": "sharded"} for n in names}
     shards = [[n, [rows * rank, 0], [rows, cols], i * nbytes, nbytes] for i, n in enumerate(names)]
     # checksums as real ones look, not a pattern deflate would shrink (the store sends the
     # manifest deflated; 4 bytes a chunk of it are these)
-    chunks = [[o, CHUNK, o, CHUNK, crc32(b"%d:%d" % (rank, o)), 0] for o in range(0, RANK_BYTES, CHUNK)]
+    chunks = [[o, min(CHUNK, end - o), o, min(CHUNK, end - o), crc32(b"%d:%d" % (rank, o)), 0]
+              for start in range(0, len(names) * nbytes, nbytes) for end in (start + nbytes,)
+              for o in range(start, end, CHUNK)]
     tree = {"t": "dict", "items": [[n, {"t": "tensor", "name": n}] for n in names]}
-    return {"rank": rank, "file": f"rank-{rank:05d}.data", "record": {"bytes": RANK_BYTES, "chunks": chunks},
+    return {"rank": rank, "file": f"rank-{rank:05d}.data",
+            "record": {"bytes": len(names) * nbytes, "chunks": chunks},
             "signature": f"fsdp-{tensors}", "meta": meta, "replicated": [], "shards": shards,
             "tree": tree, "rng": None}
 
