@@ -48,6 +48,7 @@ import torch
 from isal.isal_zlib import crc32
 
 from benchmarks.bench_scale import add_run_options, process_cpu_s, raise_fd_limit, rendered_or_moved
+from resilient._chunk_table import with_footer
 from resilient._rng import capture_rng, encode_rng
 
 CHUNK = 16 << 20
@@ -76,18 +77,22 @@ def rng_state(rank: int, distinct: bool) -> dict[str, Any]:
     return capture_rng()
 
 
-def with_rng(report: dict[str, Any], state: dict[str, Any], where: str) -> dict[str, Any]:
-    """``report`` with its rank's generator ``state`` where the writer puts it: after its
-    tensors in its data file, a raw chunk of its own (``file``, format 3), or in the report
-    for the manifest (``manifest``, as format 2 kept every rank's)."""
+def as_sent(report: dict[str, Any], state: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """``report`` (``fsdp_report``'s) as the writer sends it, with its rank's generator
+    ``state`` where the writer puts it: after its tensors in its data file, a raw chunk of
+    its own (``file``, since format 3), or in the report for the manifest (``manifest``, as
+    format 2 kept every rank's), or nowhere (``none``); then the file's chunk table after
+    its chunks (format 4: the record gives its size and CRC)."""
+    chunks = report["record"]["chunks"]
+    end = chunks[-1][2] + chunks[-1][3]  # raw chunks: logical and stored offsets are the same
     if where == "manifest":
         report["rng"] = state
     elif where == "file":
-        saved, record = encode_rng(state), report["record"]
-        at = record["bytes"]  # raw chunks: logical and stored offsets are the same
-        record["chunks"].append([at, len(saved), at, len(saved), crc32(saved), 0])
-        record["bytes"] += len(saved)
-        report["rng"] = [at, len(saved)]
+        saved = encode_rng(state)
+        chunks.append([end, len(saved), end, len(saved), crc32(saved), 0])
+        report["rng"] = [end, len(saved)]
+        end += len(saved)
+    report["record"] = with_footer(chunks, end)[1]
     return report
 
 
@@ -112,7 +117,7 @@ def fsdp_report(rank: int, world: int, tensors: int) -> dict[str, Any]:
     return {"rank": rank, "file": f"rank-{rank:05d}.data",
             "record": {"bytes": len(names) * nbytes, "chunks": chunks},
             "signature": f"fsdp-{tensors}", "meta": meta, "replicated": [], "shards": shards,
-            "tree": tree, "rng": None}
+            "tree": tree, "rng": None, "chunk_bytes": CHUNK}
 
 
 def serve(conn: Any, case: Case) -> None:
@@ -132,8 +137,8 @@ def serve(conn: Any, case: Case) -> None:
                               timeout=timedelta(seconds=TIMEOUT_S))
             coords[r] = StoreCoordinator(PrefixStore("resilient/bench/", client), rank=r, world_size=world,
                                          leader=r - r % case.per_node, leaders=leaders, session="bench")
-        reports = {r: with_rng(fsdp_report(r, world, case.tensors), rng_state(r, True), case.rng_in)
-                   if case.rng_in != "none" else fsdp_report(r, world, case.tensors) for r in case.indices}
+        reports = {r: as_sent(fsdp_report(r, world, case.tensors), rng_state(r, True) if case.rng_in != "none"
+                               else None, case.rng_in) for r in case.indices}
     except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
         conn.send(("error", f"rank {len(coords)} of {len(case.indices)} in one process: {type(exc).__name__}: {exc}"))
         return

@@ -32,7 +32,7 @@ import time
 import zlib
 from typing import Any, Callable
 
-from benchmarks.bench_commit_scale import fsdp_report, rng_state, with_rng
+from benchmarks.bench_commit_scale import fsdp_report, rng_state, as_sent
 from benchmarks.bench_scale import add_run_options, rendered_or_moved
 from resilient._commit import assemble_manifest, encode_report
 from resilient._format import decode_manifest
@@ -88,7 +88,7 @@ def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1
         report = fsdp_report(r, world, tensors)
         if tp > 1:
             report = with_tensor_parallel(report, world, tp)
-        reports.append(with_rng(report, rng_state(r, distinct), rng_in))
+        reports.append(as_sent(report, rng_state(r, distinct), rng_in))
     encode_s, _ = cpu_s(lambda: encode_report(reports[world // 2]), repeats)
     raws = [encode_report(r) for r in reports]
     report_kb = zlib.compress(raws[world // 2], 1).__len__() / 1e3  # what a rank sends rank 0 (deflated)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ._chunk_table import chunks_of, footer_bytes, pack_footer
 from ._chunkio import decode_chunk
 from ._errors import CheckpointCorruptError
 from ._format import BAD_DIR, MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
@@ -25,19 +26,19 @@ from ._storage import LocalStorage, Storage
 __all__ = ["Entry", "Catalog", "spans"]
 
 COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
-_READ_SPAN = 64 << 20  # bytes fetched per request when streaming a file
+READ_SPAN = 64 << 20  # bytes fetched per request when streaming a file
 
 
-def spans(chunks: list[list[int]]) -> list[list[list[int]]]:
-    """Consecutive chunks grouped into requests of at most ``_READ_SPAN`` stored bytes (a
+def spans(chunks: Sequence[list[int]]) -> list[list[list[int]]]:
+    """Consecutive chunks grouped into requests of at most ``READ_SPAN`` stored bytes (a
     larger chunk alone)."""
     out: list[list[list[int]]] = []
     i = 0
     while i < len(chunks):
         j, start = i, chunks[i][2]
-        while j < len(chunks) and chunks[j][2] + chunks[j][3] - start <= max(_READ_SPAN, chunks[i][3]):
+        while j < len(chunks) and chunks[j][2] + chunks[j][3] - start <= max(READ_SPAN, chunks[i][3]):
             j += 1
-        out.append(chunks[i:j])
+        out.append(list(chunks[i:j]))
         i = j
     return out
 
@@ -159,8 +160,25 @@ class Catalog:
         raw = self.storage.read(path)
         return decode_manifest(raw, f"{self.storage.url}/{path}"), raw
 
+    def table(self, manifest: dict[str, Any], step: int, fname: str) -> Sequence[list[int]]:
+        """A data file's chunks, as the manifest lists them or, in format 4, as the file's
+        footer does (read from this storage once, checked against the manifest)."""
+        path = f"{step_dir_name(step)}/{fname}"
+        return chunks_of(manifest["files"][fname], lambda start, end: bytes(self.storage.read(path, start, end)),
+                         f"{self.storage.url}/{path}")
+
+    def footer(self, manifest: dict[str, Any], step: int, fname: str) -> tuple[int, bytes]:
+        """(where a format 4 file's chunk table starts, its bytes), checked; (size, b"")
+        before format 4. What a copy writes after the chunks."""
+        record = manifest["files"][fname]
+        size = footer_bytes(record)
+        if not size:
+            return record["bytes"], b""
+        # the table as read and checked, packed again: the same bytes the file ends with
+        return record["bytes"] - size, pack_footer(list(self.table(manifest, step, fname)))
+
     def chunks(
-        self, step: int, fname: str, chunks: list[list[int]], *, decode: bool = True
+        self, step: int, fname: str, chunks: Sequence[list[int]], *, decode: bool = True
     ) -> Iterator[tuple[list[int], memoryview]]:
         """Yield (chunk, its logical bytes, or its stored bytes without ``decode``) for
         consecutive chunks, fetched in large spans, each checked against its CRC."""
@@ -181,14 +199,14 @@ class Catalog:
 
     def verify_file(self, manifest: dict, step: int, fname: str, progress: Callable[[int], None] | None = None) -> None:
         """Read every chunk of a data file and check its CRC; CheckpointCorruptError if not."""
-        for chunk, _ in self.chunks(step, fname, manifest["files"][fname]["chunks"], decode=False):
+        for chunk, _ in self.chunks(step, fname, self.table(manifest, step, fname), decode=False):
             if progress:
                 progress(chunk[3])
 
     def read_bytes(self, manifest: dict, step: int, fname: str, offset: int, dest: memoryview) -> None:
         """Fill ``dest`` with logical bytes ``[offset, offset+len(dest))`` of a data file."""
         end = offset + len(dest)
-        chunks = [c for c in manifest["files"][fname]["chunks"] if c[0] < end and c[0] + c[1] > offset]
+        chunks = [c for c in self.table(manifest, step, fname) if c[0] < end and c[0] + c[1] > offset]
         for chunk, data in self.chunks(step, fname, chunks):
             lo, hi = max(offset, chunk[0]), min(end, chunk[0] + chunk[1])
             dest[lo - offset : hi - offset] = data[lo - chunk[0] : hi - chunk[0]]

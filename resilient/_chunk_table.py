@@ -1,38 +1,103 @@
-"""A data file's chunk table, packed: the part of the manifest that grows with the ranks.
+"""A data file's chunk table, packed: the part of the manifest that grew with the ranks.
 
-Once a tensor's boxes are runs (``_box_runs``), what is left per rank in a manifest is its
-file's chunk table: 64 chunks for a 1 GB file, as JSON lists of six numbers 3.4 kB, parsed
-and checked one by one by every restoring rank (1.4 s at 8,192 ranks, where reading the
-rank's own 1 GB takes a few tenths). Format 2 writes it as base64 of 13 bytes a chunk
-(logical length, stored length, CRC32, as little-endian uint32, and the codec byte; the
-offsets are where the previous chunk ended, as format 1 required anyway), checks every
-file's table at once with array operations, and turns a table into lists only for the
-files a rank opens.
+Once a tensor's boxes are runs (``_box_runs``), what was left per rank in a manifest was its
+file's chunk table: 13 bytes a chunk (logical length, stored length, CRC32, as little-endian
+uint32, and the codec byte; the offsets are where the previous chunk ended). A chunk holds
+at most one tensor, so a rank of 300 tensors has 300 chunks: 5 kB a rank, 43 MB of a manifest
+at 8,192 ranks, received by every node's leader at every save and decoded by every
+restoring rank, which opens a few of the files.
+
+Formats 2 and 3 keep each table in the manifest, base64 (``unpack_tables`` checks every
+file's at once with array operations). Format 4 writes it at the end of the data file, its
+*footer* (``with_footer``); the manifest keeps its length and CRC32 and the file's logical
+size, and the table is read, checked and kept the first time the file is (``chunks_of``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["ChunkTable", "pack_chunks", "unpack_tables"]
+from ._errors import CheckpointCorruptError
+
+__all__ = ["ChunkTable", "chunks_of", "footer_bytes", "pack_footer", "unpack_tables", "with_footer"]
 
 _ROW = np.dtype([("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"), ("codec", "u1")])
+FOOTER_ROW_BYTES = _ROW.itemsize  # a chunk's row in a format 4 file's footer
 MAX_CHUNK_BYTES = 1 << 30  # a chunk's logical length; the writer uses 16 MiB
 CODECS = (0, 1)  # raw, zstd (see _chunkio)
 
 
-def pack_chunks(chunks: list[list[int]]) -> str:
-    """``[[offset, length, stored offset, stored length, crc32, codec], ...]`` (each chunk
-    where the last ended), as the manifest's ``table``."""
+def _rows(chunks: Sequence[list[int]]) -> bytes:
     rows = np.zeros(len(chunks), dtype=_ROW)
     for row, (_, length, _, stored, crc, codec) in zip(rows, chunks):
         row["length"], row["stored"], row["crc"], row["codec"] = length, stored, crc, codec
-    return base64.b64encode(rows.tobytes()).decode()
+    return rows.tobytes()
+
+
+def pack_footer(chunks: Sequence[list[int]]) -> bytes:
+    """``[[offset, length, stored offset, stored length, crc32, codec], ...]`` (each chunk
+    where the last ended) as format 4 writes them at the end of the data file (its footer)."""
+    return _rows(chunks)
+
+
+def with_footer(chunks: list[list[int]], stored: int) -> tuple[bytes, dict[str, Any]]:
+    """(the footer of a file whose ``chunks`` end at byte ``stored``, the file's record with
+    it: its size with the footer, its logical size, ``footer: [count, crc32]``, its chunks)."""
+    table = _rows(chunks)
+    logical = chunks[-1][0] + chunks[-1][1] if chunks else 0
+    return table, {"bytes": stored + len(table), "logical": logical,
+                   "footer": [len(chunks), zlib.crc32(table) & 0xFFFFFFFF], "chunks": chunks}
+
+
+def footer_bytes(record: dict[str, Any]) -> int:
+    """How many bytes at the end of a data file are its chunk table (0 before format 4)."""
+    footer = record.get("footer")
+    return footer[0] * FOOTER_ROW_BYTES if footer else 0
+
+
+def chunks_of(record: dict[str, Any], read: Callable[[int, int], bytes], where: str) -> "ChunkTable | list[list[int]]":
+    """A data file's chunks: from the manifest (formats 1 to 3) or, in format 4, read from
+    the file's footer once (``read(start, end)``: those bytes of the file), checked against
+    the manifest's CRC of it and against the file's sizes, and kept in ``record``.
+
+    Why the footer: a rank's table is 13 bytes a chunk and a chunk holds at most one tensor,
+    so with hundreds of tensors a rank it was 5 kB a rank in the manifest (43 MB at 8,192
+    ranks), received by every node's leader at every save and decoded by every restoring
+    rank, which reads a few of the files. ``CheckpointCorruptError`` when it does not check."""
+    table = record.get("chunks")
+    if table is not None:
+        return table
+    count, crc = record["footer"]
+    end = record["bytes"]
+    raw = read(end - count * _ROW.itemsize, end)
+    if len(raw) != count * _ROW.itemsize or (zlib.crc32(raw) & 0xFFFFFFFF) != crc:
+        raise CheckpointCorruptError(f"{where}: its chunk table (the last {count * _ROW.itemsize} bytes) "
+                                     "does not match the manifest's checksum of it")
+    rows = np.frombuffer(raw, dtype=_ROW)
+    bad = _bad_rows(rows)
+    why = f"row {int(bad[0])} {_BAD_ROW}" if len(bad) else None
+    stored, logical = int(rows["stored"].sum(dtype=np.int64)), int(rows["length"].sum(dtype=np.int64))
+    if why is None and (stored != end - len(raw) or logical != record["logical"]):
+        why = f"covers {stored} stored and {logical} logical bytes, the manifest says {end - len(raw)} and {record['logical']}"
+    if why is not None:
+        raise CheckpointCorruptError(f"{where}: its chunk table {why}")
+    table = record["chunks"] = ChunkTable(rows)
+    return table
+
+
+_BAD_ROW = "has an unknown codec, a length over 1 GiB, or is raw with stored and logical lengths apart"
+
+
+def _bad_rows(rows: np.ndarray) -> np.ndarray:
+    """The indexes of rows the format forbids (see ``_BAD_ROW``)."""
+    return np.flatnonzero((rows["length"] > MAX_CHUNK_BYTES) | ~np.isin(rows["codec"], CODECS)
+                          | ((rows["codec"] == 0) & (rows["stored"] != rows["length"])))
 
 
 class ChunkTable(Sequence[list[int]]):
@@ -82,12 +147,10 @@ def unpack_tables(records: dict[str, dict[str, Any]], fail: Callable[[str, str],
     rows = np.frombuffer(b"".join(raws), dtype=_ROW)
     counts = np.array([len(r) // _ROW.itemsize for r in raws], dtype=np.int64)
     ends = np.cumsum(counts)
-    bad = np.flatnonzero((rows["length"] > MAX_CHUNK_BYTES) | ~np.isin(rows["codec"], CODECS)
-                         | ((rows["codec"] == 0) & (rows["stored"] != rows["length"])))
+    bad = _bad_rows(rows)
     if len(bad):
         f = int(np.searchsorted(ends, bad[0], side="right"))
-        fail(f"files[{names[f]!r}].table[{int(bad[0] - (ends[f] - counts[f]))}]",
-             "has an unknown codec, a length over 1 GiB, or is raw with stored and logical lengths apart")
+        fail(f"files[{names[f]!r}].table[{int(bad[0] - (ends[f] - counts[f]))}]", _BAD_ROW)
     zero = np.zeros(1, dtype=np.int64)
     logical = np.diff(np.concatenate([zero, np.cumsum(rows["length"], dtype=np.int64)])[np.concatenate([zero, ends])])
     stored = np.diff(np.concatenate([zero, np.cumsum(rows["stored"], dtype=np.int64)])[np.concatenate([zero, ends])])

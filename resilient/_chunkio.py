@@ -26,6 +26,7 @@ try:  # ISA-L's CRC32: zlib's polynomial and values, with carry-less multiply in
 except ImportError:  # pragma: no cover - a platform without isal's wheels
     from zlib import crc32
 
+from ._chunk_table import chunks_of, with_footer
 from ._errors import CheckpointCorruptError
 
 __all__ = ["CODECS", "write_chunked", "ChunkedFile", "ChunkRead", "ChunkRun", "batched", "decode_chunk", "fsync_dir", "crc32"]
@@ -183,6 +184,7 @@ def write_chunked(
     direct: bool = True,
     ready: Callable[[int], None] | None = None,
     trailer: bytes = b"",
+    footer: bool = False,
 ) -> dict:
     """Write ``blobs`` back to back into the file at ``path`` (whatever it held before is
     overwritten and cut off), then ``trailer`` as a chunk of its own, fsync it, return its record.
@@ -197,7 +199,9 @@ def write_chunked(
     is read, and returns once they are final: the blobs may still be being filled.
     ``trailer``: a few bytes that are not a tensor's (the rank's generator states), kept in
     its file so that the manifest, which every node receives, need not carry them; a chunk of
-    its own, so that reading them reads nothing else.
+    its own, so that reading them reads nothing else. ``footer``: the chunk table is written
+    after the chunks (format 4), the record gives its length and CRC (``footer``) and the
+    file's logical size instead of needing the table itself in the manifest.
     """
     await_bytes = ready or (lambda end: None)
     codec_id = CODECS[codec]
@@ -214,10 +218,7 @@ def write_chunked(
             writer = _DirectWriter(path, contiguous)
         if writer is not None and writer.fd is not None:
             chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool, await_bytes)
-            end = _append(fd, chunks, len(writer.source), len(writer.source), trailer)
-            os.ftruncate(fd, end)
-            os.fsync(fd)
-            return {"bytes": end, "chunks": chunks}
+            return _finish(fd, chunks, len(writer.source), len(writer.source), trailer, footer)
 
         def encode(data: memoryview, end: int) -> tuple[memoryview | bytes, int, int]:
             await_bytes(end)
@@ -250,14 +251,11 @@ def write_chunked(
             chunks.append([logical, length, stored, len(view), crc, used])
             logical += length
             stored += len(view)
-        stored = _append(fd, chunks, logical, stored, trailer)
-        os.ftruncate(fd, stored)
-        os.fsync(fd)
+        return _finish(fd, chunks, logical, stored, trailer, footer)
     finally:
         if writer is not None:
             writer.close()
         os.close(fd)
-    return {"bytes": stored, "chunks": chunks}
 
 
 #: bytes per direct write. Why large: a direct write returns only once the device has the
@@ -267,16 +265,29 @@ def write_chunked(
 DIRECT_WRITE_BYTES = 64 << 20
 
 
-def _append(fd: int, chunks: list[list[int]], logical: int, stored: int, trailer: bytes) -> int:
-    """``trailer`` written at ``stored`` (through the page cache: it is small) as a raw
-    chunk at logical offset ``logical``, listed in ``chunks``; returns the file's new end."""
-    if not trailer:
-        return stored
-    written = 0
-    while written < len(trailer):
-        written += os.pwrite(fd, memoryview(trailer)[written:], stored + written)
-    chunks.append([logical, len(trailer), stored, len(trailer), crc32(trailer), RAW])
-    return stored + len(trailer)
+def _finish(fd: int, chunks: list[list[int]], logical: int, stored: int, trailer: bytes, footer: bool) -> dict:
+    """After the chunks (``logical`` and ``stored`` bytes): ``trailer`` as a raw chunk, then
+    with ``footer`` the chunk table, both through the page cache (they are small); the file
+    cut there and fsync'd. Returns its record."""
+    if trailer:
+        pwrite_all(fd, memoryview(trailer), stored)
+        chunks.append([logical, len(trailer), stored, len(trailer), crc32(trailer), RAW])
+        logical, stored = logical + len(trailer), stored + len(trailer)
+    record: dict = {"bytes": stored, "chunks": chunks}
+    if footer:
+        table, record = with_footer(chunks, stored)
+        pwrite_all(fd, memoryview(table), stored)
+    os.ftruncate(fd, record["bytes"])
+    os.fsync(fd)
+    return record
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """``os.pwrite`` until every byte is written (one call writes at most ~2 GiB on Linux)."""
+    data = data.cast("B")
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview], chunk_bytes: int,
@@ -303,10 +314,13 @@ class ChunkedFile:
 
     def __init__(self, path: str, record: dict) -> None:
         self.path = path
-        self.chunks: list[list[int]] = record["chunks"]
-        self._starts = [c[0] for c in self.chunks]
         self._fd: int | None = None
         self._lock = threading.Lock()
+        self.chunks = chunks_of(record, self._read_range, path)
+        self._starts = [c[0] for c in self.chunks]
+
+    def _read_range(self, start: int, end: int) -> bytes:
+        return os.pread(self._open(), end - start, start)
 
     def _open(self) -> int:
         with self._lock:

@@ -36,7 +36,6 @@ except ImportError:  # pragma: no cover - a platform without isal's wheels
     import zlib as _deflate  # type: ignore[no-redef]
 
 from ._box_runs import box_rows, canonical_rank, find_runs, in_fewest_runs
-from ._chunk_table import pack_chunks
 from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import FORMAT, VERSION
@@ -179,11 +178,12 @@ def encode_report(report: dict[str, Any]) -> bytes:
     names = sorted(report["meta"])
     ndim = max((len(m["shape"]) for m in report["meta"].values()), default=0)
     written = report["record"]  # None: a rank with nothing of its own to write has no file
-    record = None if written is None else {"bytes": written["bytes"], "table": pack_chunks(written["chunks"])}
+    record = None if written is None else {k: written[k] for k in ("bytes", "logical", "footer")}
     pieces = [_json(report["meta"]), _json(record), _json(report["tree"]), _json(report["rng"]),
               box_rows(report["shards"], names, ndim).tobytes()]
     header = {"rank": report["rank"], "signature": report["signature"], "file": report["file"],
-              "replicated": report["replicated"], "ndim": ndim, "sizes": [len(p) for p in pieces]}
+              "replicated": report["replicated"], "ndim": ndim, "chunk_bytes": report["chunk_bytes"],
+              "sizes": [len(p) for p in pieces]}
     return _json(header) + b"\n" + b"".join(pieces)
 
 
@@ -255,7 +255,8 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str) -> bytes:
     trees, rngs = _Distinct(), _Distinct()
     ranks = b"[" + b",".join(b"[%d,%s]" % (trees.index(r.tree), _rank_rng(r.rng, rngs)) for r in reports) + b"]"
     head = _json({"format": FORMAT, "version": VERSION, "step": step, "world_size": len(reports),
-                  "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec})
+                  "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec,
+                  "chunk_bytes": first.header["chunk_bytes"]})
     return b"".join([head[:-1], b',"files":{', b",".join(files), b'},"tensors":{', b",".join(tensors),
                      b'},"trees":[', b",".join(trees.kept), b'],"rngs":[', b",".join(rngs.kept),
                      b'],"ranks":', ranks, b"}"])

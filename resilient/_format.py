@@ -6,13 +6,13 @@ JSON, never pickle: reading it runs no code, whoever wrote the bucket. It is val
 field by field before use, so a damaged or hostile manifest is an error that names the
 field, not a crash deep in the loader.
 
-Version 3 layout (``docs/format.md`` has the prose; version 1, still read, listed every box
-on its own and each rank's tree and RNG state in ``ranks``; version 2, still read, kept every
-RNG state in ``rngs``)::
+Version 4 layout (``docs/format.md`` has the prose; versions 3, 2 and 1 are still read:
+3 kept each file's chunk table in ``files``, 2 also every RNG state in ``rngs``, 1 also
+listed every box on its own and each rank's tree and RNG state in ``ranks``)::
 
-    {"format": "resilient.checkpoint", "version": 3, "step": 100, "world_size": 2,
-     "created": 1764500000.0, "torch_version": "2.13.0", "codec": "none",
-     "files":   {"rank-00000.data": {"bytes": N, "table": "<base64: 13 bytes a chunk>"}},
+    {"format": "resilient.checkpoint", "version": 4, "step": 100, "world_size": 2,
+     "created": 1764500000.0, "torch_version": "2.13.0", "codec": "none", "chunk_bytes": 16777216,
+     "files":   {"rank-00000.data": {"bytes": N, "logical": L, "footer": [3, 4011829313]}},
      "tensors": {"model/w": {"dtype": "float32", "shape": [4, 4], "layout": "replicated",
                  "boxes": [{"offsets": [0, 0], "sizes": [4, 4],
                             "pieces": [["rank-00000.data", 0, 32], ["rank-00001.data", 0, 32]]}]},
@@ -22,14 +22,16 @@ RNG state in ``rngs``)::
      "trees":   [{...}],  "rngs": [],
      "ranks":   [[0, [48, 10530]], [0, [48, 10544]]]}
 
-A box with ``repeat`` is a run (``_box_runs``); a file's ``table`` its packed chunks
-(``_chunk_table``); ``ranks[r]`` is ``[tree, rng]``: ``tree`` an index into ``trees``, which
-holds each distinct tree once; ``rng`` where rank r's generator states are in its own data
-file (``[logical offset, length]``, a chunk of their own), or, for a rank without a file, an
-index into ``rngs``, or null. Decoded, every version reads alike: ``ranks[r]`` is ``{"tree":
-..., "rng": ...}`` (with ``"rng_at": [file, offset, length]`` where the states are in a file),
-a file's ``chunks`` a list of ``[offset, length, stored offset, stored length, crc32,
-codec]`` (a ``ChunkTable``) and a tensor's ``boxes`` a ``SavedBoxes``.
+A box with ``repeat`` is a run (``_box_runs``); a file's chunk table is its last ``13 x
+footer[0]`` bytes, whose CRC32 is ``footer[1]`` (``_chunk_table``); ``ranks[r]`` is ``[tree,
+rng]``: ``tree`` an index into ``trees``, which holds each distinct tree once; ``rng`` where
+rank r's generator states are in its own data file (``[logical offset, length]``, a chunk of
+their own), or, for a rank without a file, an index into ``rngs``, or null. Decoded, every
+version reads alike: ``ranks[r]`` is ``{"tree": ..., "rng": ...}`` (with ``"rng_at": [file,
+offset, length]`` where the states are in a file), a tensor's ``boxes`` a ``SavedBoxes``, and
+a file's chunks (``[offset, length, stored offset, stored length, crc32, codec]``) are
+``_chunk_table.chunks_of(record, ...)``: the record's ``chunks`` before version 4, read from
+the file's footer in version 4 (and then kept in ``chunks``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 
 from ._box_runs import SavedBoxes, canonical_rank, check_run
-from ._chunk_table import CODECS, MAX_CHUNK_BYTES, unpack_tables
+from ._chunk_table import CODECS, FOOTER_ROW_BYTES, MAX_CHUNK_BYTES, unpack_tables
 from ._errors import CheckpointCorruptError
 from ._rng import MAX_RNG_BYTES
 from ._names import data_file_name, parse_data_file, parse_step_dir, step_dir_name
@@ -63,8 +65,8 @@ __all__ = [
 ]
 
 FORMAT = "resilient.checkpoint"
-VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
@@ -136,6 +138,11 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
         _fail(where, "ranks", "must have one entry per rank")
     if manifest["version"] == 1:
         files = _Files({fname: _check_file(fname, record, where) for fname, record in manifest["files"].items()})
+    elif manifest["version"] >= 4:
+        chunk_bytes = manifest.get("chunk_bytes")
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            _fail(where, "chunk_bytes", f"must be an integer from 1 to {MAX_CHUNK_BYTES}")
+        files = _Files({fname: _check_footer_record(fname, record, where) for fname, record in manifest["files"].items()})
     else:
         for fname, record in manifest["files"].items():
             _check_file_record(fname, record, where)
@@ -228,6 +235,22 @@ def _check_file_record(fname: str, record: Any, where: str) -> int:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         _fail(where, f"{fw}.bytes", "must be a non-negative integer")
     return size
+
+
+def _check_footer_record(fname: str, record: Any, where: str) -> int:
+    """A format 4 file record (its chunk table in the file's last ``13 x count`` bytes,
+    ``footer: [count, crc32 of them]``, checked against them where the file is read:
+    ``_chunk_table.chunks_of``); return its logical size."""
+    fw = f"files[{fname!r}]"
+    size = _check_file_record(fname, record, where)
+    logical = record.get("logical")
+    if not isinstance(logical, int) or isinstance(logical, bool) or logical < 0:
+        _fail(where, f"{fw}.logical", "must be a non-negative integer")
+    count, crc = _ints(record.get("footer"), where, f"{fw}.footer", length=2)
+    if crc > 0xFFFFFFFF or count * FOOTER_ROW_BYTES > size or logical > count * MAX_CHUNK_BYTES:
+        _fail(where, f"{fw}.footer", f"must be [chunks, crc32] of a table that fits in the file's {size} bytes "
+              f"and can hold its {logical} logical bytes")
+    return logical
 
 
 def _check_file(fname: str, record: Any, where: str) -> int:

@@ -354,27 +354,30 @@ def _shareable(name: str, dest: "_Destination", meta: dict[str, Any], device: st
     return nbytes if nbytes >= SHARE_MIN_BYTES else 0
 
 
-def _boundaries(files: dict[str, Any], pieces: list[list[Any]]) -> list[int]:
+def _boundaries(manifest: dict[str, Any], pieces: list[list[Any]]) -> list[int]:
     """Byte offsets in a saved box where a piece or a chunk starts (0 and the end included):
-    reads split there verify no chunk twice."""
+    reads split there verify no chunk twice. Format 4 keeps the chunk tables in the files:
+    there a chunk starts at each piece and every ``chunk_bytes`` after, as the writer cuts
+    them (``_chunkio._split``), which spares every rank reading every file's table."""
+    files, step = manifest["files"], manifest.get("chunk_bytes")
     cuts, pos = {0}, 0
     for fname, offset, nbytes in pieces:
-        for chunk in files[fname]["chunks"]:
-            if offset < chunk[0] < offset + nbytes:
-                cuts.add(pos + chunk[0] - offset)
+        starts = (range(offset + step, offset + nbytes, step) if "footer" in files[fname]
+                  else [c[0] for c in files[fname]["chunks"] if offset < c[0] < offset + nbytes])
+        cuts.update(pos + start - offset for start in starts)
         pos += nbytes
         cuts.add(pos)
     return sorted(cuts)
 
 
-def _split_reads(files: dict[str, Any], shared: list[tuple[str, int]], tensors_meta: dict[str, Any],
-                 world_size: int) -> list[tuple[str, int, int, int]]:
+def _split_reads(manifest: dict[str, Any], shared: list[tuple[str, int]], world_size: int
+                 ) -> list[tuple[str, int, int, int]]:
     """(name, lo, hi, reader rank) for every shared tensor: the bytes of all of them, in name
     order, cut into ``world_size`` contiguous runs of about equal size at chunk boundaries.
     From the manifest alone, so every rank computes the same runs, whatever it can read."""
     segments: list[tuple[str, int, int]] = []
     for name, _ in shared:
-        cuts = _boundaries(files, tensors_meta[name]["boxes"][0]["pieces"])
+        cuts = _boundaries(manifest, manifest["tensors"][name]["boxes"][0]["pieces"])
         segments += [(name, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
     total = sum(hi - lo for _, lo, hi in segments) or 1
     plan: list[tuple[str, int, int, int]] = []
@@ -710,7 +713,7 @@ def _share_through_page_cache(reader: _Reader | None, manifest: dict[str, Any],
     waited for, not read twice). No barrier between the parts; one vote at the end."""
     assert sharing.group is not None
     me, size = sharing.group.index(rank), len(sharing.group)
-    runs = _split_reads(manifest["files"], sharing.tensors, manifest["tensors"], size)
+    runs = _split_reads(manifest, sharing.tensors, size)
     if error is None:
         try:
             by_turn = []
@@ -731,7 +734,7 @@ def _share_by_broadcast(reader: _Reader | None, manifest: dict[str, Any], destin
     """Read this rank's runs and broadcast every run in one order on every rank, each as
     soon as its reader has it. A rank whose read failed still takes part in every broadcast
     (what it sends is then garbage); the vote after them makes every rank raise."""
-    runs = _split_reads(manifest["files"], sharing.tensors, manifest["tensors"], world_size)
+    runs = _split_reads(manifest, sharing.tensors, world_size)
     own: dict[int, list[Future[None]]] = {}
     if error is None:
         try:

@@ -16,9 +16,11 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
-from ._catalog import Catalog, spans
+from ._catalog import READ_SPAN, Catalog, spans
+from ._chunk_table import footer_bytes
+from ._chunkio import pwrite_all
 from ._format import MANIFEST, step_dir_name
 from ._local import LocalTier
 from ._storage import LocalStorage, Storage
@@ -55,9 +57,8 @@ def copy_step(
         # old copy is uncommitted (the source keeps a good copy throughout).
         if isinstance(dst, LocalStorage):
             return _replace_local(src, dst, step, progress, workers)
-        for fname, record in manifest["files"].items():
-            for _ in src.chunks(step, fname, record["chunks"], decode=False):
-                pass
+        for fname in manifest["files"]:
+            src.verify_file(manifest, step, fname)
     if not skip_present:
         dst.delete(f"{sdir}/{MANIFEST}")  # re-copying a step: uncommit the old copy first
     lock = threading.Lock()
@@ -74,10 +75,14 @@ def copy_step(
             return 0
 
         def stream() -> Iterator[memoryview]:
-            for _, stored in src.chunks(step, fname, record["chunks"], decode=False):
+            for _, stored in src.chunks(step, fname, src.table(manifest, step, fname), decode=False):
                 if report:
                     report(len(stored))
                 yield stored
+            footer = src.footer(manifest, step, fname)[1]
+            if report and footer:
+                report(len(footer))
+            yield memoryview(footer)
 
         if isinstance(src.storage, LocalStorage):
             # verify from the local disk (fast), then let the backend upload the file its
@@ -85,8 +90,8 @@ def copy_step(
             for _ in stream():
                 pass
             dst.put_file(src.storage.local_path(path), path)
-        elif isinstance(dst, LocalStorage) and _back_to_back(record):
-            _download(src, dst, step, fname, record, span_workers, report)
+        elif isinstance(dst, LocalStorage) and _back_to_back(src.table(manifest, step, fname), record):
+            _download(src, dst, step, fname, manifest, span_workers, report)
         else:
             dst.write(path, stream())
         size = dst.size(path)
@@ -96,7 +101,9 @@ def copy_step(
 
     files = list(manifest["files"].items())
     # about ``workers`` requests in flight: the files of more than one span share them
-    span_workers = max(1, workers // max(1, min(workers, sum(len(spans(r["chunks"])) > 1 for _, r in files))))
+    # (a file's stored bytes tell whether it takes several spans: its table may not be read yet)
+    span_workers = max(1, workers // max(1, min(workers, sum(r["bytes"] - footer_bytes(r) > READ_SPAN
+                                                             for _, r in files))))
     if workers > 1 and len(files) > 1:
         with ThreadPoolExecutor(max_workers=min(workers, len(files))) as pool:
             total = sum(pool.map(lambda item: one(*item), files))
@@ -133,18 +140,18 @@ def _locked(lock: threading.Lock, progress: Callable[[int], None], n: int) -> No
         progress(n)
 
 
-def _back_to_back(record: dict) -> bool:
+def _back_to_back(chunks: Sequence[list[int]], record: dict) -> bool:
     """Whether a data file is its chunks, stored one after the other from byte 0 (what the
-    writer makes): then each span can be written at its own offset."""
+    writer makes), then its footer, if any: then each span can be written at its own offset."""
     end = 0
-    for chunk in record["chunks"]:
+    for chunk in chunks:
         if chunk[2] != end:
             return False
         end += chunk[3]
-    return end == record["bytes"]
+    return end == record["bytes"] - footer_bytes(record)
 
 
-def _download(src: Catalog, dst: LocalStorage, step: int, fname: str, record: dict, workers: int,
+def _download(src: Catalog, dst: LocalStorage, step: int, fname: str, manifest: dict, workers: int,
               progress: Callable[[int], None] | None) -> None:
     """One data file from a remote tier into local storage as up to ``workers`` concurrent
     ranged reads, each span's chunks checked against their CRCs before they are written at
@@ -154,28 +161,24 @@ def _download(src: Catalog, dst: LocalStorage, step: int, fname: str, record: di
     With one request at a time, a restore of 0.5 GB from one file (S3 protocol on loopback)
     reached 61% of the throughput of 8 plain concurrent ranged GETs of the same bytes; with
     this, 93%."""
-    with dst.creating(f"{step_dir_name(step)}/{fname}", record["bytes"]) as fd:
+    with dst.creating(f"{step_dir_name(step)}/{fname}", manifest["files"][fname]["bytes"]) as fd:
+        at, footer = src.footer(manifest, step, fname)
+        pwrite_all(fd, memoryview(footer), at)
+        if progress and footer:
+            progress(len(footer))
 
         def fetch(span: list[list[int]]) -> None:
             for chunk, stored in src.read_span(step, fname, span, decode=False):
-                _pwrite_all(fd, stored, chunk[2])
+                pwrite_all(fd, stored, chunk[2])
                 if progress:
                     progress(len(stored))
 
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resilient-download")
         try:
-            for future in [pool.submit(fetch, span) for span in spans(record["chunks"])]:
+            for future in [pool.submit(fetch, span) for span in spans(src.table(manifest, step, fname))]:
                 future.result()
         finally:  # a failed span: nothing more is fetched, and no thread writes after the file is gone
             pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """``os.pwrite`` until every byte is written (one call writes at most ~2 GiB on Linux)."""
-    data = data.cast("B")
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 def _replace_local(src: Catalog, dst: LocalStorage, step: int, progress: Callable[[int], None] | None,

@@ -187,6 +187,7 @@ class BackgroundWriter:
                 direct=self.direct_io,
                 ready=job.snapshot.ready,  # a copy still running after save: written as it comes
                 trailer=trailer,
+                footer=True,
             )
             if trailer:
                 rng = [job.plan.nbytes, len(trailer)]  # where in the file: its logical bytes
@@ -198,6 +199,7 @@ class BackgroundWriter:
             "file": name,
             "record": record,
             "signature": job.plan.signature,
+            "chunk_bytes": self.chunk_bytes,
             "meta": job.plan.meta,
             "replicated": job.plan.replicated,
             "shards": job.plan.shards,

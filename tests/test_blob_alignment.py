@@ -26,17 +26,19 @@ def _odd_state(seed: int) -> dict:
     }
 
 
-def _pieces(root: str, step: int) -> tuple[str, list[tuple[int, int]]]:
+def _pieces(root: str, step: int) -> tuple[str, list[tuple[int, int]], int]:
+    """(rank 0's file, its pieces, the size of its chunk table: the file's last bytes)."""
     step_dir = os.path.join(root, f"step-{step:010d}")
     with open(os.path.join(step_dir, "manifest.json")) as f:
         manifest = json.load(f)
     pieces = [(offset, nbytes) for t in manifest["tensors"].values() for box in t["boxes"]
               for _file, offset, nbytes in box["pieces"]]
-    return os.path.join(step_dir, "rank-00000.data"), sorted(pieces)
+    return (os.path.join(step_dir, "rank-00000.data"), sorted(pieces),
+            13 * manifest["files"]["rank-00000.data"]["footer"][0])
 
 
 def _assert_aligned_with_zero_gaps(root: str, step: int) -> None:
-    data_file, pieces = _pieces(root, step)
+    data_file, pieces, table = _pieces(root, step)
     assert pieces and all(offset % BLOB_ALIGN == 0 for offset, _ in pieces), pieces
     with open(data_file, "rb") as f:
         data = f.read()
@@ -45,7 +47,7 @@ def _assert_aligned_with_zero_gaps(root: str, step: int) -> None:
         assert offset >= pos, "blobs overlap"
         assert data[pos:offset] == bytes(offset - pos), f"padding {pos}..{offset} is not zeros"
         pos = offset + nbytes
-    assert len(data) == pos, "the file ends with its last blob"
+    assert len(data) == pos + table, "the file ends with its last blob, then its chunk table"
 
 
 @pytest.mark.parametrize("direct_io", [True, False])

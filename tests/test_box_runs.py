@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from resilient._chunk_table import with_footer
 from resilient._commit import assemble_manifest, encode_report
 from resilient._format import data_file_name, decode_manifest
 from resilient._layout import Box, intersect
@@ -69,9 +70,9 @@ def _reports(world, shapes, held):
             written.setdefault(name, []).append((offsets, sizes, [data_file_name(rank), at, nbytes]))
             at += nbytes
         chunks = [[0, at, 0, at, 0, 0]] if at else []
-        reports.append({"rank": rank, "file": data_file_name(rank), "record": {"bytes": at, "chunks": chunks},
+        reports.append({"rank": rank, "file": data_file_name(rank), "record": with_footer(chunks, at)[1],
                         "signature": "s", "meta": meta, "replicated": [], "shards": shards, "tree": tree,
-                        "rng": None})
+                        "rng": None, "chunk_bytes": 1 << 24})
     return reports, written
 
 

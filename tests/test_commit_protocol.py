@@ -6,6 +6,7 @@ its own. What a multi-process job adds (files, collectives) is covered by the di
 and launcher tests; here the nodes, the store's limits and the failures are set exactly.
 """
 
+import base64
 import os
 import random
 import threading
@@ -16,6 +17,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
+from resilient._chunk_table import with_footer
 from resilient._commit import assemble_manifest, commit_together, encode_report
 from resilient._coord import StoreCoordinator
 from resilient._errors import CommitError
@@ -40,15 +42,21 @@ def coordinators(server, nodes, per_node):
     return out
 
 
-def report(rank, world, chunks=2, signature="same"):
-    """A sharded rank's report: one tensor split along dim 0, ``chunks`` chunks in its file."""
+def written(chunks):
+    """The record the writer returns for a file of these raw chunks (its table in a footer)."""
+    return with_footer(chunks, chunks[-1][2] + chunks[-1][3] if chunks else 0)[1]
+
+
+def report(rank, world, chunks=2, signature="same", note=""):
+    """A sharded rank's report: one tensor split along dim 0, ``chunks`` chunks in its file;
+    ``note``: a string its tree holds (a rank's own value)."""
     rng = random.Random(rank)
+    items = [["w", {"t": "tensor", "name": "w"}]] + ([["note", {"t": "v", "v": note}]] if note else [])
     return {"rank": rank, "file": f"rank-{rank:05d}.data",
-            "record": {"bytes": chunks * 64, "chunks": [[i * 64, 64, i * 64, 64, rng.getrandbits(32), 0]
-                                                        for i in range(chunks)]},
+            "record": written([[i * 64, 64, i * 64, 64, rng.getrandbits(32), 0] for i in range(chunks)]),
             "signature": signature, "meta": {"w": {"dtype": "float32", "shape": [4 * world, 4], "layout": "sharded"}},
-            "replicated": [], "shards": [["w", [4 * rank, 0], [4, 4], 0, 64]],
-            "tree": {"t": "dict", "items": [["w", {"t": "tensor", "name": "w"}]]}, "rng": None}
+            "replicated": [], "shards": [["w", [4 * rank, 0], [4, 4], 0, 64]], "chunk_bytes": 64,
+            "tree": {"t": "dict", "items": items}, "rng": None}
 
 
 def run_save(coords, seq, tmp_path, *, reports=None, skip=(), failing=(), timeout=20.0):
@@ -106,17 +114,19 @@ def test_every_node_commits_the_same_manifest_save_after_save(store, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_manifest_larger_than_the_store_takes_goes_in_parts(store, tmp_path):
-    # 4 ranks of 600,000 chunks each, checksums random: ~42 MB of manifest, ~14 MB deflated,
-    # over the 8 MB a TCPStore value may hold (the connection is reset beyond it)
+    # 4 ranks each with a value of its own in its tree, 4 MB of random base64: ~16 MB of
+    # manifest, ~12 MB deflated, over the 8 MB a TCPStore value may hold (the connection is
+    # reset beyond it)
     coords = coordinators(store, nodes=2, per_node=2)
-    reports = {r: report(r, 4, chunks=600_000) for r in range(4)}
+    reports = {r: report(r, 4, note=base64.b64encode(os.urandom(3 << 20)).decode()) for r in range(4)}
     results, done = run_save(coords, 1, tmp_path, reports=reports)
     assert results == {r: None for r in range(4)} and done == {0: ["committed"], 2: ["committed"]}
     raw = (tmp_path / "leader-2.json").read_bytes()
     assert len(zlib.compress(raw, 1)) > 2 * StoreCoordinator.PART_BYTES  # as it travels: in parts
     assert raw == (tmp_path / "leader-0.json").read_bytes()
     manifest = decode_manifest(raw, "test")
-    assert manifest["files"]["rank-00003.data"] == reports[3]["record"]
+    assert manifest["files"]["rank-00003.data"] == {k: reports[3]["record"][k] for k in ("bytes", "logical", "footer")}
+    assert dict(manifest["ranks"][3]["tree"]["items"])["note"] == {"t": "v", "v": reports[3]["tree"]["items"][1][1]["v"]}
 
 
 @pytest.mark.timeout(60)
@@ -173,7 +183,7 @@ def test_the_manifest_joins_every_kind_of_piece_in_order():
     them), several shard boxes per rank (in rank order), a tied name, and a rank with no file."""
     def rank_report(rank, file, replicated, shards):
         return {"rank": rank, "file": file, "signature": "s",
-                "record": {"bytes": 48, "chunks": [[0, 48, 0, 48, 7 + rank, 0]]} if file else None,
+                "record": written([[0, 48, 0, 48, 7 + rank, 0]]) if file else None, "chunk_bytes": 64,
                 "meta": {"a": {"dtype": "float32", "shape": [8], "layout": "replicated"},
                          "b": {"dtype": "float32", "shape": [4, 2], "layout": "sharded"},
                          "c": {"dtype": "float32", "shape": [8], "layout": "replicated", "same_as": "a"}},

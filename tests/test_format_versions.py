@@ -1,5 +1,6 @@
 """Checkpoints written by an older resilient still restore, RNG states included, and the CLI
-reads them: format version 2 (every RNG state in the manifest's ``rngs``, not in the rank's
+reads them: format version 3 (chunk tables in the manifest, not in each file's footer),
+version 2 (every RNG state in the manifest's ``rngs``, not in the rank's
 data file) and version 1 (boxes one by one, each rank's tree and RNG state in ``ranks``,
 generator words as lists of numbers). Damaged generator states, in a data file or in a
 manifest, make the restore fall back to the older step."""
@@ -25,6 +26,23 @@ _ROW = np.dtype([("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"), ("codec",
 
 def _rows(record: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(record["table"]), dtype=_ROW).copy()
+
+
+def _as_version_3(manifest: dict, step_dir: str) -> dict:
+    """A version 4 manifest as version 3 wrote the same checkpoint: each file's chunk table
+    taken out of its footer (cut off) into the manifest, base64."""
+    for name, record in manifest["files"].items():
+        count, crc = record.pop("footer")
+        end = record.pop("bytes") - 13 * count
+        with open(os.path.join(step_dir, name), "r+b") as f:
+            f.seek(end)
+            table = f.read()
+            f.truncate(end)
+        assert len(table) == 13 * count and zlib.crc32(table) == crc
+        del record["logical"]
+        record.update(bytes=end, table=base64.b64encode(table).decode())
+    del manifest["chunk_bytes"]
+    return {**manifest, "version": 3}
 
 
 def _as_version_2(manifest: dict, step_dir: str) -> dict:
@@ -80,12 +98,16 @@ def _rewrite(root: str, step: int, change) -> None:
     path = os.path.join(step_dir, "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    assert manifest["version"] == 3
+    assert manifest["version"] == 4
     with open(path, "w") as f:
         json.dump(change(manifest, step_dir), f)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+_OLDER = {3: _as_version_3, 2: lambda m, d: _as_version_2(_as_version_3(m, d), d),
+          1: lambda m, d: _as_version_1(_as_version_2(_as_version_3(m, d), d))}
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_an_older_checkpoint_restores_with_its_generators(tmp_path, capsys, version):
     root = str(tmp_path / "ckpt")
     random.seed(1)
@@ -95,7 +117,7 @@ def test_an_older_checkpoint_restores_with_its_generators(tmp_path, capsys, vers
     with Checkpointer(root) as ckpt:
         ckpt.save(5, state)
     expected = (random.random(), float(np.random.rand()), torch.rand(2))
-    _rewrite(root, 5, lambda m, d: _as_version_2(m, d) if version == 2 else _as_version_1(_as_version_2(m, d)))
+    _rewrite(root, 5, _OLDER[version])
 
     random.seed(9)
     np.random.seed(9)
@@ -134,7 +156,7 @@ def test_damaged_generator_states_fall_back_to_the_older_step(tmp_path, damage, 
     _two_steps(root)
 
     def damaged(manifest: dict, step_dir: str) -> dict:
-        manifest = _as_version_2(manifest, step_dir)
+        manifest = _OLDER[2](manifest, step_dir)
         rng = manifest["rngs"][0]
         if damage == "torch_state_cut":
             rng["torch"] = "z:" + base64.b64encode(zlib.compress(b"\0" * 100)).decode()
@@ -152,7 +174,7 @@ def test_damaged_generator_states_fall_back_to_the_older_step(tmp_path, damage, 
 
 @pytest.mark.parametrize("damage", ["flipped_byte", "not_json_checksum_fixed", "a_list_checksum_fixed"])
 def test_generator_states_damaged_in_the_data_file_fall_back_to_the_older_step(tmp_path, damage, caplog):
-    """Format 3 keeps a rank's states in its data file, as a chunk of their own: a flipped
+    """Since format 3 a rank's states are in its data file, as a chunk of their own: a flipped
     byte fails its checksum; bytes that are not states, with a checksum that matches them
     (a hostile writer), fail to parse. Either way the older step is restored. A restore
     that does not want the states (``rng=False``) does not read them."""
@@ -176,10 +198,17 @@ def test_generator_states_damaged_in_the_data_file_fall_back_to_the_older_step(t
         f.write(replacement)
     if damage != "flipped_byte":
         def with_checksum(manifest: dict, step_dir: str) -> dict:
+            """The states' chunk's CRC changed in the file's chunk table (its footer), and the
+            manifest's CRC of that table."""
             record = manifest["files"]["rank-00000.data"]
-            rows = _rows(record)
-            rows[-1]["crc"] = crc32(replacement)
-            record["table"] = base64.b64encode(rows.tobytes()).decode()
+            start = record["bytes"] - 13 * record["footer"][0]
+            with open(path, "r+b") as f:
+                f.seek(start)
+                rows = np.frombuffer(f.read(), dtype=_ROW).copy()
+                rows[-1]["crc"] = crc32(replacement)
+                f.seek(start)
+                f.write(rows.tobytes())
+            record["footer"][1] = zlib.crc32(rows.tobytes())
             return manifest
         _rewrite(root, 2, with_checksum)
     target = {"w": torch.zeros(4)}

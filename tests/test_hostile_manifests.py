@@ -6,6 +6,8 @@ import json
 import os
 import resource
 import shutil
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -27,14 +29,13 @@ def _mutations() -> dict:
         "dtype_is_a_list": lambda m: m["tensors"]["w"].__setitem__("dtype", ["float32"]),
         "missing_shape": lambda m: m["tensors"]["w"].pop("shape"),
         "missing_files": lambda m: m.pop("files"),
-        "chunk_length_2_31": lambda m: _change_table(m, lambda rows: rows[0].__setitem__("length", 2**31)),
-        "chunk_codec_7": lambda m: _change_table(m, lambda rows: rows[0].__setitem__("codec", 7)),
-        "raw_chunk_stored_apart": lambda m: _change_table(m, lambda rows: rows[0].__setitem__("stored", 1000)),
-        "empty_chunk_table": lambda m: m["files"]["rank-00000.data"].__setitem__("table", ""),
-        "chunk_table_not_base64": lambda m: m["files"]["rank-00000.data"].__setitem__("table", "*" * 20),
-        "chunk_table_cut_mid_row": lambda m: m["files"]["rank-00000.data"].__setitem__(
-            "table", base64.b64encode(base64.b64decode(m["files"]["rank-00000.data"]["table"])[:-1]).decode()),
-        "chunk_table_a_list": lambda m: m["files"]["rank-00000.data"].__setitem__("table", [[0, 1024, 0, 1024, 0, 0]]),
+        # the chunk table's place in the file (format 4)
+        "footer_of_more_rows_than_the_file": lambda m: m["files"]["rank-00000.data"]["footer"].__setitem__(0, 10**9),
+        "footer_checksum_2_40": lambda m: m["files"]["rank-00000.data"]["footer"].__setitem__(1, 2**40),
+        "footer_a_string": lambda m: m["files"]["rank-00000.data"].__setitem__("footer", "*" * 20),
+        "logical_size_negative": lambda m: m["files"]["rank-00000.data"].__setitem__("logical", -1),
+        "logical_size_past_the_chunks": lambda m: m["files"]["rank-00000.data"].__setitem__("logical", 2**50),
+        "chunk_bytes_zero": lambda m: m.__setitem__("chunk_bytes", 0),
         "shape_2_42_elements": lambda m: m["tensors"]["w"].__setitem__("shape", [2**21, 2**21]),
         "tree_names_unknown_tensor": lambda m: m["trees"][0]["items"][0][1].__setitem__("name", "nope"),
         "deep_tree": deep,
@@ -60,13 +61,36 @@ def _mutations() -> dict:
     }
 
 
-def _change_table(m: dict, change) -> None:
-    """Rank 0's packed chunk table (13-byte rows: length, stored, crc32, codec), changed."""
-    record = m["files"]["rank-00000.data"]
-    rows = np.frombuffer(base64.b64decode(record["table"]),
-                         dtype=[("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"), ("codec", "u1")]).copy()
-    change(rows)
-    record["table"] = base64.b64encode(rows.tobytes()).decode()
+def _footer_damage() -> dict:
+    """Damage to the chunk table in rank 0's file (format 4), by name: rows changed there,
+    the manifest's checksum of it made to match (a hostile writer), or not."""
+    return {
+        "chunk_length_2_31": _change_footer(lambda rows: rows[0].__setitem__("length", 2**31)),
+        "chunk_codec_7": _change_footer(lambda rows: rows[0].__setitem__("codec", 7)),
+        "raw_chunk_stored_apart": _change_footer(lambda rows: rows[0].__setitem__("stored", 1000)),
+        "chunks_cover_less_than_the_file": _change_footer(lambda rows: rows[0].__setitem__("length", 4)),
+        "footer_unlike_its_checksum": _change_footer(lambda rows: rows[0].__setitem__("crc", 1), fix=False),
+    }
+
+
+def _change_footer(change, fix: bool = True):
+    """Rank 0's chunk table (13-byte rows: length, stored, crc32, codec, the file's last
+    bytes), changed in the file by ``change(rows)``; with ``fix``, the manifest's checksum of
+    it changed to match. Returns what ``_write_damaged`` applies to the step's files."""
+    def apply(step_dir: str, m: dict) -> None:
+        record = m["files"]["rank-00000.data"]
+        count = record["footer"][0]
+        path = os.path.join(step_dir, "rank-00000.data")
+        with open(path, "r+b") as f:
+            f.seek(record["bytes"] - 13 * count)
+            rows = np.frombuffer(f.read(13 * count), dtype=[("length", "<u4"), ("stored", "<u4"), ("crc", "<u4"),
+                                                            ("codec", "u1")]).copy()
+            change(rows)
+            f.seek(record["bytes"] - 13 * count)
+            f.write(rows.tobytes())
+        if fix:
+            record["footer"][1] = zlib.crc32(rows.tobytes())
+    return apply
 
 
 def _as_run(m: dict, repeat: int, stride: list) -> None:
@@ -81,7 +105,8 @@ def _write_damaged(root: str, name: str) -> None:
     path = os.path.join(root, MANIFEST)
     with open(path) as f:
         m = json.load(f)
-    result = _mutations()[name](m)
+    in_files = _footer_damage().get(name)
+    result = in_files(os.path.dirname(path), m) if in_files else _mutations()[name](m)
     raw = json.dumps(m)
     if name == "deep_tree":
         raw = raw.replace('"__DEEP__"', result)
@@ -124,6 +149,28 @@ def test_restore_falls_back_and_the_cli_names_the_step(damaged, caplog, capsys):
     assert not os.path.exists(os.path.join(copy, "step-0000000002"))
     assert ckpt_main(["prune", damaged, "--keep", "1"]) == 0  # the damaged step is neither counted nor deleted
     assert sorted(n for n in os.listdir(damaged) if n.startswith("step-")) == ["step-0000000001", "step-0000000002"]
+
+
+@pytest.mark.parametrize("damaged", list(_footer_damage()), indirect=True)
+def test_a_damaged_chunk_table_in_a_file_falls_back_and_the_cli_names_the_file(damaged, caplog, capsys):
+    """A format 4 file's table is checked where the file is read: a restore falls back, and
+    the commands that read data files exit 1 naming it; the manifest itself is sound, so
+    ``show`` and ``ls`` still describe the step."""
+    target = {"w": torch.zeros(256)}
+    with Checkpointer(damaged) as ckpt:
+        assert ckpt.restore(target) == 1
+    assert torch.equal(target["w"], torch.full((256,), 1.0))
+    assert "step-0000000002/rank-00000.data: its chunk table" in caplog.text
+    copy = damaged + "-copy"
+    for argv in (["verify", damaged, "--step", "2"], ["ls", damaged, "--verify"],
+                 ["export", damaged, os.path.join(damaged, "x.pt"), "--step", "2", "--format", "torch"],
+                 ["pull", damaged, copy, "--step", "2"]):
+        assert ckpt_main(argv) == 1, argv
+        printed = capsys.readouterr()
+        assert "rank-00000.data" in printed.err + printed.out, (argv, printed)
+    assert not os.path.exists(os.path.join(damaged, "x.pt"))
+    assert not os.path.exists(os.path.join(copy, "step-0000000002"))
+    assert ckpt_main(["show", damaged, "--step", "2"]) == 0
 
 
 def test_a_run_of_boxes_restores_as_the_boxes_it_stands_for(tmp_path):
