@@ -12,8 +12,9 @@ simulated rank is a thread running resilient's own commit protocol
 are spread over ``--procs`` processes; the first rank of each node is its leader (node-local
 disks) and writes the manifest it commits to a file in /dev/shm (the disk's part of a commit
 is measured by ``bench_checkpoint``). Each rank reports what an FSDP rank reports: a shard of
-each of ``--tensors`` parameters and of their two Adam moments, a data file of 16 MB chunks
-(1 GB per rank) and the state's tree; with ``--rng-in``, its generator states too, each rank
+each of ``--tensors`` parameters and of their two Adam moments, about 1 GB, in a data file of
+a chunk per shard as resilient writes them, its chunk table after them (format 4), and the
+state's tree; with ``--rng-in``, its generator states too, each rank
 seeded differently: in its data file (``file``, what resilient writes) or in the manifest
 (``manifest``, where format 2 kept them).
 

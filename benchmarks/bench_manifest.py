@@ -7,8 +7,8 @@ each restoring rank's work to read it and plan its reads.
                                         [--no-netns]
 
 Every rank of an FSDP job reports what ``bench_commit_scale`` has it report (a shard of each
-of ``--tensors`` parameters and their two Adam moments, a 1 GB data file in 16 MB chunks, its
-tree; with ``--tp``, on a 2-D mesh: FSDP over row-wise tensor parallel), plus its random
+of ``--tensors`` parameters and their two Adam moments, about 1 GB, a chunk per shard in its
+data file, as resilient writes them, the chunk table after them; its tree; with ``--tp``, on a 2-D mesh: FSDP over row-wise tensor parallel), plus its random
 generators' state as ``capture_rng`` takes it: ``--rng distinct``
 seeds each rank's generators differently (the larger manifest), ``same`` seeds them alike
 (what most data-parallel scripts do); ``--rng-in file`` puts them where resilient does, in the
@@ -114,7 +114,7 @@ def render(results: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"| {r['ranks']} | {r['error'][:80]} | | | |")
             continue
-        lines.append(f"| {r['ranks']} | {r['manifest_mb']:.1f} MB ({r['deflated_mb']:.1f} MB) | "
+        lines.append(f"| {r['ranks']} | {r['manifest_mb']:.2f} MB ({r['deflated_mb']:.2f} MB) | "
                      f"{r['assemble_s']:.3f} s | {r['decode_s']:.3f} + {r['plan_s']:.3f} s | "
                      f"{r['encode_ms']:.1f} ms" + (f" ({r['report_kb']:.1f} kB)" if "report_kb" in r else "") + " |")
     return "\n".join(lines)

@@ -198,10 +198,13 @@ class Catalog:
                                      decode=decode)) for chunk in span]
 
     def verify_file(self, manifest: dict, step: int, fname: str, progress: Callable[[int], None] | None = None) -> None:
-        """Read every chunk of a data file and check its CRC; CheckpointCorruptError if not."""
+        """Read every chunk of a data file and check its CRC (and, in format 4, its chunk
+        table against the manifest's CRC of it); CheckpointCorruptError if not."""
         for chunk, _ in self.chunks(step, fname, self.table(manifest, step, fname), decode=False):
             if progress:
                 progress(chunk[3])
+        if progress:
+            progress(footer_bytes(manifest["files"][fname]))
 
     def read_bytes(self, manifest: dict, step: int, fname: str, offset: int, dest: memoryview) -> None:
         """Fill ``dest`` with logical bytes ``[offset, offset+len(dest))`` of a data file."""
