@@ -52,7 +52,7 @@ def with_footer(chunks: list[list[int]], stored: int) -> tuple[bytes, dict[str, 
     table = _rows(chunks)
     logical = chunks[-1][0] + chunks[-1][1] if chunks else 0
     return table, {"bytes": stored + len(table), "logical": logical,
-                   "footer": [len(chunks), zlib.crc32(table) & 0xFFFFFFFF], "chunks": chunks}
+                   "footer": [len(chunks), zlib.crc32(table)], "chunks": chunks}
 
 
 def footer_bytes(record: dict[str, Any]) -> int:
@@ -74,10 +74,10 @@ def chunks_of(record: dict[str, Any], read: Callable[[int, int], bytes], where: 
     if table is not None:
         return table
     count, crc = record["footer"]
-    end = record["bytes"]
-    raw = read(end - count * _ROW.itemsize, end)
-    if len(raw) != count * _ROW.itemsize or (zlib.crc32(raw) & 0xFFFFFFFF) != crc:
-        raise CheckpointCorruptError(f"{where}: its chunk table (the last {count * _ROW.itemsize} bytes) "
+    end, size = record["bytes"], count * FOOTER_ROW_BYTES
+    raw = read(end - size, end)
+    if len(raw) != size or zlib.crc32(raw) != crc:
+        raise CheckpointCorruptError(f"{where}: its chunk table (the last {size} bytes) "
                                      "does not match the manifest's checksum of it")
     rows = np.frombuffer(raw, dtype=_ROW)
     bad = _bad_rows(rows)

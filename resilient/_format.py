@@ -161,9 +161,9 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
 
 
 def _shared_rank_states(manifest: dict[str, Any], logical_sizes: dict[str, int], where: str) -> list[dict[str, Any]]:
-    """Version 2 and 3's ``ranks`` (``[tree, rng]``), each distinct tree and RNG state
+    """Version 2 to 4's ``ranks`` (``[tree, rng]``), each distinct tree and RNG state
     checked once, as version 1's ``{"tree", "rng"}`` objects (sharing them); a rank whose
-    states are in its data file (version 3: ``rng`` is ``[offset, length]``) has
+    states are in its data file (since version 3: ``rng`` is ``[offset, length]``) has
     ``"rng_at": [file, offset, length]`` instead, checked to lie inside that file."""
     trees, rngs = manifest.get("trees"), manifest.get("rngs")
     if not isinstance(trees, list) or not isinstance(rngs, list):
