@@ -13,9 +13,10 @@ generators' state as ``capture_rng`` takes it: ``--rng distinct``
 seeds each rank's generators differently (the larger manifest), ``same`` seeds them alike
 (what most data-parallel scripts do); ``--rng-in file`` puts them where resilient does, in the
 rank's data file, ``manifest`` where format 2 did. Measured in this process, CPU time, median of
-``--repeats``: **encode** (one rank's ``encode_report``), **assemble** (rank 0's
-``assemble_manifest`` of every report), the **manifest** (bytes each node's disk holds, and
-deflated, what the store sends to each leader), **decode** (``decode_manifest``: parse and
+``--repeats``: **encode** (one rank's ``sent_report``: its report encoded and deflated),
+**assemble** (rank 0's ``published_manifest``: every report inflated, the manifest assembled
+and deflated), the **manifest** (bytes each node's disk holds, and deflated, what the store
+sends to each leader), **decode** (``decode_manifest``: parse and
 validate, on every restoring rank) and **plan** (one restoring rank finding, for each of its
 tensors, the saved boxes its shard meets: what ``_restore._fill`` does before it reads).
 The last two are what every rank of a restore spends before the first byte is read; with
@@ -29,12 +30,11 @@ import gc
 import json
 import statistics
 import time
-import zlib
 from typing import Any, Callable
 
 from benchmarks.bench_commit_scale import fsdp_report, rng_state, as_sent
 from benchmarks.bench_scale import add_run_options, rendered_or_moved
-from resilient._commit import assemble_manifest, encode_report
+from resilient._commit import published_manifest, received_manifest, sent_report
 from resilient._format import decode_manifest
 from resilient._layout import Box, intersect
 from resilient._restore import _along_first_dim
@@ -89,13 +89,13 @@ def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1
         if tp > 1:
             report = with_tensor_parallel(report, world, tp)
         reports.append(as_sent(report, rng_state(r, distinct), rng_in))
-    encode_s, _ = cpu_s(lambda: encode_report(reports[world // 2]), repeats)
-    raws = [encode_report(r) for r in reports]
-    report_kb = zlib.compress(raws[world // 2], 1).__len__() / 1e3  # what a rank sends rank 0 (deflated)
+    encode_s, _ = cpu_s(lambda: sent_report(reports[world // 2]), repeats)
+    raws = [sent_report(r) for r in reports]  # what each rank sends rank 0: encoded, deflated
+    report_kb = len(raws[world // 2]) / 1e3
     del reports
-    assemble, manifest = cpu_s(lambda: assemble_manifest(7, raws, "none"), repeats)
+    assemble, outcome = cpu_s(lambda: published_manifest(7, raws, "none"), repeats)
     del raws
-    deflated = len(zlib.compress(manifest, 1))
+    manifest, deflated = received_manifest(outcome), len(outcome) - 1
     decode, decoded = cpu_s(lambda: decode_manifest(manifest, "bench"), repeats)
     planned, met = cpu_s(lambda: plan(decoded, world // 2, world, tp), repeats)
     assert met == 3 * tensors, f"rank {world // 2} met {met} saved boxes, expected {3 * tensors}"

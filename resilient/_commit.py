@@ -41,7 +41,8 @@ from ._errors import CommitError
 from ._format import FORMAT, VERSION
 from ._names import data_file_name
 
-__all__ = ["assemble_manifest", "commit_together", "encode_report"]
+__all__ = ["assemble_manifest", "commit_together", "encode_report", "published_manifest", "received_manifest",
+           "sent_report"]
 
 #: How the waits nest, so that whoever learns of a dead rank first can name it to the rest:
 #: rank 0 waits ``timeout`` for the reports, then publishes the manifest or the ranks missing;
@@ -69,7 +70,7 @@ def commit_together(
     ``timeout``: how long rank 0 waits for the reports, and then for the leaders; the other
     waits are longer by as much as they nest around those (``_GRACE_S``)."""
     first, grace = coord.leaders[0], min(timeout, _GRACE_S)
-    coord.publish(f"{seq}/report/{coord.rank}", _deflate.compress(encode_report(report), 1))
+    coord.publish(f"{seq}/report/{coord.rank}", sent_report(report))
     if coord.rank == first:
         _assemble(coord, seq, step, codec, timeout, mark)
     if coord.is_leader:
@@ -92,8 +93,7 @@ def _assemble(coord: Coordinator, seq: int, step: int, codec: str, timeout: floa
         raws = _collect(coord, step, [f"{seq}/report/{r}" for r in range(coord.world_size)],
                         "every rank's files", timeout, "its report")
         mark("reports")
-        manifest = assemble_manifest(step, [_deflate.decompress(r) for r in raws], codec)
-        outcome = b"M" + _deflate.compress(manifest, 1)
+        outcome = published_manifest(step, raws, codec)
     except CommitError as exc:
         outcome = b"F" + json.dumps({"failures": exc.failures}).encode()
     except Exception as exc:
@@ -102,6 +102,23 @@ def _assemble(coord: Coordinator, seq: int, step: int, codec: str, timeout: floa
     # every rank has taken save seq-1's keys: each published its report for seq only after
     for key in (f"{seq - 1}/manifest", f"{seq - 1}/settled"):
         coord.forget(key)
+
+
+def sent_report(report: dict[str, Any]) -> bytes:
+    """A rank's report as it travels to rank 0: encoded, deflated."""
+    return _deflate.compress(encode_report(report), 1)
+
+
+def published_manifest(step: int, sent: list[bytes], codec: str) -> bytes:
+    """Rank 0's work on every rank's report as it came (``sent_report``): the manifest as
+    it travels to every leader, ``M`` + its bytes, deflated; ``CommitError`` as
+    ``assemble_manifest`` raises it."""
+    return b"M" + _deflate.compress(assemble_manifest(step, [_deflate.decompress(r) for r in sent], codec), 1)
+
+
+def received_manifest(outcome: bytes) -> bytes:
+    """``published_manifest``'s manifest, as a leader takes it."""
+    return _deflate.decompress(outcome[1:])
 
 
 def _commit_as_leader(coord: Coordinator, seq: int, step: int, timeout: float,
@@ -114,7 +131,7 @@ def _commit_as_leader(coord: Coordinator, seq: int, step: int, timeout: float,
         if assembled[:1] == b"F":
             failures = _failures(assembled[1:])
         else:
-            commit(_deflate.decompress(assembled[1:]))
+            commit(received_manifest(assembled))
             mark("manifest")
     except CommitError as exc:
         failures = exc.failures
