@@ -13,7 +13,7 @@ generators' state as ``capture_rng`` takes it: ``--rng distinct``
 seeds each rank's generators differently (the larger manifest), ``same`` seeds them alike
 (what most data-parallel scripts do); ``--rng-in file`` puts them where resilient does, in the
 rank's data file, ``manifest`` where format 2 did. Measured in this process, CPU time, median of
-``--repeats``: **encode** (one rank's ``sent_report``: its report encoded and deflated),
+``--repeats``: **encode** (one rank's ``encode_report``: its report encoded and deflated),
 **assemble** (rank 0's ``published_manifest``: every report inflated, the manifest assembled
 and deflated), the **manifest** (bytes each node's disk holds, and deflated, what the store
 sends to each leader), **decode** (``decode_manifest``: parse and
@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from benchmarks.bench_commit_scale import fsdp_report, rng_state, as_sent
 from benchmarks.bench_scale import add_run_options, rendered_or_moved
-from resilient._commit import published_manifest, received_manifest, sent_report
+from resilient._commit import encode_report, published_manifest, received_manifest
 from resilient._format import decode_manifest
 from resilient._layout import Box, intersect
 from resilient._restore import _along_first_dim
@@ -89,8 +89,8 @@ def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1
         if tp > 1:
             report = with_tensor_parallel(report, world, tp)
         reports.append(as_sent(report, rng_state(r, distinct), rng_in))
-    encode_s, _ = cpu_s(lambda: sent_report(reports[world // 2]), repeats)
-    raws = [sent_report(r) for r in reports]  # what each rank sends rank 0: encoded, deflated
+    encode_s, _ = cpu_s(lambda: encode_report(reports[world // 2]), repeats)
+    raws = [encode_report(r) for r in reports]  # what each rank sends rank 0: encoded, deflated
     report_kb = len(raws[world // 2]) / 1e3
     del reports
     assemble, outcome = cpu_s(lambda: published_manifest(7, raws, "none"), repeats)
