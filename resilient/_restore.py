@@ -684,15 +684,18 @@ def _vote(sharing: _Sharing, error: BaseException | None, manifest: dict[str, An
         raise error or OtherRankFailed(f"another rank could not read its part of step {manifest['step']}")
 
 
-#: how many of its own reads a rank queues before each read of another rank's part. Why: with
-#: every own read queued first, the copies out of the page cache all came after the disk was
-#: done (each rank copies the others' parts: half the bytes at 2 ranks); queued this far
-#: behind, the other rank has read that far into its own part (the ranks start together and
-#: read at the disk's pace, 8 reads in flight each), so a copy hits the page cache and
-#: overlaps this rank's own reads. 4 GB replicated on 2 ranks, cold, interleaved runs here:
-#: 2.72-2.77 s (medians) against 3.01-3.02 s; a lag of 4 (3.43 s) or 12-16 (2.86-3.08 s)
-#: was no better.
-PEER_LAG_TASKS = 8
+#: how many of its own reads a rank queues before each read of another rank's part (turn
+#: ``t`` of the others' parts ``t`` times this far behind). Why: with every own read queued
+#: first, the copies out of the page cache all came after the disk was done (each rank copies
+#: the others' parts: three quarters of the bytes at 4 ranks); queued a little behind, a copy
+#: follows the part's owner through the page cache and overlaps the reads still going (the
+#: kernel waits on a page being read rather than reading it twice). How far behind was
+#: measured here, cold, variants interleaved (medians of 3-6): 1 GB replicated on 4 ranks
+#: 0.45-0.48 s at 0-2 tasks against 0.54 s at 4 and 0.62-0.68 s at 8 (a part there is 8
+#: reads of 32 MB, so 8 queued every copy after the disk); on 3 ranks 0.42 s against 0.46 s
+#: at 8; on 2 ranks 1 GB 0.35 s against 0.38 s, and 4 GB 1.25 s and 1.51 s against 1.23 s
+#: and 1.65 s at 8 (two runs: the same within this disk's noise), where 0 behind took 1.68 s.
+PEER_LAG_TASKS = 2
 
 
 def lagged(by_turn: list[list[Task]], lag: int) -> list[Task]:
