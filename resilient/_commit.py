@@ -311,9 +311,9 @@ def _sharded_boxes(meta: dict[str, Any], reports: list[_Report]) -> dict[str, li
     tables, ranks = zip(*(r.box_rows() for r in reports))
     rows = np.concatenate(tables)
     rows[:, 2 * ndim + 1] = np.repeat(np.array(ranks, dtype="<i8"), [len(t) for t in tables])  # the rank's column
-    rows, steps = in_fewest_runs(rows, ndim)
+    order, steps = in_fewest_runs(rows, ndim)
     boxes: dict[str, list[bytes]] = {}
-    for row, count, stride in find_runs(rows, ndim, steps):
+    for row, count, stride in find_runs(rows, ndim, steps, order):
         name = names[row[0]]
         dims = len(meta[name]["shape"])
         entry: dict[str, Any] = {

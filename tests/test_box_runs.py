@@ -5,10 +5,12 @@ restoring rank's first-dimension lookup finds exactly the ones its target meets.
 import json
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from resilient._box_runs import _lexsorted, _steps
 from resilient._chunk_table import with_footer
 from resilient._commit import assemble_manifest, encode_report
 from resilient._format import data_file_name, decode_manifest
@@ -157,3 +159,58 @@ def test_a_2d_mesh_is_one_run_per_tensor_parallel_rank(tp_dim):
     boxes = decode_manifest(raw, "test")["tensors"]["w"]["boxes"]
     assert sorted(_key(b["offsets"], b["sizes"], b["pieces"][0]) for b in boxes) == sorted(
         _key(*w) for w in written["w"])
+
+
+def _steps_by_definition(rows, ndim):
+    """``_steps``' two arrays, row by row in Python: link j when rows j and j+1 are of one
+    tensor with the same sizes and bytes, in different ranks, the second not empty; cont j
+    when links j-1 and j both hold with the same step."""
+    fixed = [0, *range(1 + ndim, 1 + 2 * ndim), 2 * ndim + 3]
+    moving = [*range(1, 1 + ndim), 2 * ndim + 1, 2 * ndim + 2]
+    link = [all(a[c] == b[c] for c in fixed) and a[2 * ndim + 1] != b[2 * ndim + 1] and b[-1] > 0
+            for a, b in zip(rows, rows[1:])]
+    step = [[b[c] - a[c] for c in moving] for a, b in zip(rows, rows[1:])]
+    cont = [j > 0 and link[j] and link[j - 1] and step[j] == step[j - 1] for j in range(len(link))]
+    return link, cont
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_steps_in_blocks_through_an_order_are_those_of_the_rows_reordered(data):
+    """Rank 0 differences its rows (millions at thousands of ranks) in blocks and through an
+    order, never reordered whole: every block boundary and order gives the steps the rows,
+    reordered, have by definition."""
+    ndim = data.draw(st.integers(1, 2))
+    fixed = [0, *range(1 + ndim, 1 + 2 * ndim), 2 * ndim + 3]
+    moving = [*range(1, 1 + ndim), 2 * ndim + 1, 2 * ndim + 2]
+    small = st.integers(0, 2)
+    rows = []
+    for _ in range(data.draw(st.integers(0, 6))):  # arithmetic sequences, as real layouts make
+        row = [0] * (2 * ndim + 4)
+        for c in fixed + moving:
+            row[c] = data.draw(small)
+        step = {c: data.draw(st.integers(-1, 2)) for c in moving}
+        for _ in range(data.draw(st.integers(1, 8))):
+            rows.append(list(row))
+            row = [v + step.get(c, 0) for c, v in enumerate(row)]
+    rows = np.array(rows, dtype="<i8").reshape(len(rows), 2 * ndim + 4)
+    n = len(rows)
+    shuffled = data.draw(st.booleans())
+    order = np.array(data.draw(st.permutations(range(n))) if shuffled else range(n), dtype=np.int64)
+    want = _steps_by_definition(rows[order].tolist(), ndim)
+    block = data.draw(st.integers(1, 9))
+    for got in (_steps(rows, ndim, order, block=block), _steps(rows[order], ndim, block=block)):
+        assert [a.tolist() for a in got] == [list(w) for w in want]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_keys_packed_into_one_sort_order_as_lexsort_does(data):
+    """Rank 0 sorts boxes by several keys as one packed integer where the keys' ranges fit,
+    and by ``np.lexsort`` where they do not: the same order either way, ties included."""
+    n = data.draw(st.integers(1, 30))
+    wide = data.draw(st.booleans())  # ranges whose product passes 63 bits: lexsort itself
+    values = st.integers(-(1 << 40), 1 << 40) if wide else st.integers(-3, 5)
+    keys = [np.array(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=np.int64)
+            for _ in range(data.draw(st.integers(1, 4)))]
+    assert _lexsorted(keys).tolist() == np.lexsort(keys).tolist()
