@@ -689,12 +689,14 @@ def _vote(sharing: _Sharing, error: BaseException | None, manifest: dict[str, An
 #: first, the copies out of the page cache all came after the disk was done (each rank copies
 #: the others' parts: three quarters of the bytes at 4 ranks); queued a little behind, a copy
 #: follows the part's owner through the page cache and overlaps the reads still going (the
-#: kernel waits on a page being read rather than reading it twice). How far behind was
-#: measured here, cold, variants interleaved (medians of 3-6): 1 GB replicated on 4 ranks
-#: 0.45-0.48 s at 0-2 tasks against 0.54 s at 4 and 0.62-0.68 s at 8 (a part there is 8
-#: reads of 32 MB, so 8 queued every copy after the disk); on 3 ranks 0.42 s against 0.46 s
-#: at 8; on 2 ranks 1 GB 0.35 s against 0.38 s, and 4 GB 1.25 s and 1.51 s against 1.23 s
-#: and 1.65 s at 8 (two runs: the same within this disk's noise), where 0 behind took 1.68 s.
+#: kernel waits on a page being read rather than reading it twice). How far behind, measured
+#: by ``benchmarks/bench_peer_lag.py`` (1 GB replicated, cold, the lags interleaved in the
+#: same processes, medians of 4): on 4 ranks 0.55 s at 0, 0.61 s at 2, 0.66 s at 8 (there a
+#: part is 8 reads of 32 MB, so 8 put every copy after the disk); on 2 and 3 ranks the three
+#: were within this disk's noise (0.47-0.54 s; 0.45-0.51 s), and so were 4 GB on 2 ranks
+#: (1.68, 1.67, 1.70 s). An ad-hoc run of the same comparison gave 0.45, 0.48 and 0.62-0.68 s
+#: on 4 ranks, but 4 GB on 2 ranks took 1.68 s at 0 against 1.23-1.25 s at 2 and at 8: 2
+#: hedges between the two.
 PEER_LAG_TASKS = 2
 
 
