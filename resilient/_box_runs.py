@@ -67,12 +67,8 @@ def in_fewest_runs(rows: np.ndarray, ndim: int) -> tuple[np.ndarray, Steps | Non
     then the row's, the step is the same over each data-parallel column of boxes: 8 runs.
     The other orders are tried only when rank order leaves a tensor in several runs (FSDP
     alone never does: at 4,096 ranks, trying them cost rank 0 0.25 s a save)."""
-    # a rank's boxes of a tensor stay in its file's order; tensor indices sort as 16-bit
-    # integers where they fit, which numpy sorts by radix
     tensor_column = rows[:, 0]
-    narrow = tensor_column.astype(np.uint16) if len(rows) and 0 <= tensor_column.min() and tensor_column.max() < 1 << 16 \
-        else tensor_column
-    by_rank = np.argsort(narrow, kind="stable")
+    by_rank = np.argsort(_radix_sortable(tensor_column), kind="stable")  # a rank's boxes keep their order
     if len(rows) < 2 or ndim == 0:
         return by_rank, None
     tensor = np.take(tensor_column, by_rank)
@@ -93,6 +89,14 @@ def in_fewest_runs(rows: np.ndarray, ndim: int) -> tuple[np.ndarray, Steps | Non
         pick = best == k
         chosen[pick] = orders[k][pick]
     return chosen, None
+
+
+def _radix_sortable(column: np.ndarray) -> np.ndarray:
+    """``column`` as 16-bit integers where its values fit (tensor indices do), which numpy's
+    stable sort sorts by radix: 2.4 million of them in 0.03 s against 0.07-0.08 s as int64."""
+    if len(column) and 0 <= column.min() and column.max() < 1 << 16:
+        return column.astype(np.uint16)
+    return column
 
 
 def _lexsorted(keys: list[np.ndarray]) -> np.ndarray:

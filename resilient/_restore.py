@@ -696,7 +696,8 @@ def _vote(sharing: _Sharing, error: BaseException | None, manifest: dict[str, An
 #: were within this disk's noise (0.47-0.54 s; 0.45-0.51 s), and so were 4 GB on 2 ranks
 #: (1.68, 1.67, 1.70 s). An ad-hoc run of the same comparison gave 0.45, 0.48 and 0.62-0.68 s
 #: on 4 ranks, but 4 GB on 2 ranks took 1.68 s at 0 against 1.23-1.25 s at 2 and at 8: 2
-#: hedges between the two.
+#: hedges between the two. (8 was chosen from 4 GB on 2 ranks alone, against 4 and 12-16,
+#: where 4 had been slower: 3.43 s against 2.72-2.77 s; 2 was not tried then.)
 PEER_LAG_TASKS = 2
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient._box_runs import _lexsorted, _steps
+from resilient._box_runs import _lexsorted, _steps, in_fewest_runs
 from resilient._chunk_table import with_footer
 from resilient._commit import assemble_manifest, encode_report
 from resilient._format import data_file_name, decode_manifest
@@ -214,3 +214,13 @@ def test_keys_packed_into_one_sort_order_as_lexsort_does(data):
     keys = [np.array(data.draw(st.lists(values, min_size=n, max_size=n)), dtype=np.int64)
             for _ in range(data.draw(st.integers(1, 4)))]
     assert _lexsorted(keys).tolist() == np.lexsort(keys).tolist()
+
+
+def test_tensor_indices_past_16_bits_order_boxes_as_small_ones_do():
+    """Rank 0 sorts tensor indices as 16-bit integers where they fit: indices that do not
+    (a state of more than 65,535 tensors) give the same order, sorted as they are."""
+    rng = np.random.default_rng(7)
+    rows = rng.integers(0, 4, size=(200, 8), dtype=np.int64)
+    wide = rows.copy()
+    wide[:, 0] += 70_000
+    assert in_fewest_runs(rows, 2)[0].tolist() == in_fewest_runs(wide, 2)[0].tolist()
