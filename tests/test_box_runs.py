@@ -222,5 +222,5 @@ def test_tensor_indices_past_16_bits_order_boxes_as_small_ones_do():
     rng = np.random.default_rng(7)
     rows = rng.integers(0, 4, size=(200, 8), dtype=np.int64)
     wide = rows.copy()
-    wide[:, 0] += 70_000
+    wide[:, 0] += (1 << 16) - 2  # indices on both sides of 2**16
     assert in_fewest_runs(rows, 2)[0].tolist() == in_fewest_runs(wide, 2)[0].tolist()
