@@ -404,14 +404,19 @@ def worker(args: dict[str, Any]) -> None:
             method = None  # drop its buffers before the next method allocates its own
             gc.collect()
         reads: dict[str, list[float]] = {}
-        for rep in range(args["restores"]):  # each pass in another order
-            for name in _rotated([*args["methods"], READ_PROBE], rnd * args["restores"] + rep + 1):
+        # each pass in another order, and each round's first pass too: ordered by
+        # ``rnd * restores + rep``, a run of two methods and 3 restores began every round's
+        # restores with the same method (3 orders for 3 passes), right after the saves
+        for rep in range(args["restores"]):
+            for name in _rotated([*args["methods"], READ_PROBE], rnd + rep + 1):
                 if name == READ_PROBE:
                     for key, took in _read_probes(probes, total, rank, world).items():
                         reads.setdefault(key, []).append(took)
                     continue
                 reader = Method(name, roots[name], state, rank, world, args["layout"], restore_only=True)
                 zero_state(state)
+                if rank == 0:  # what the saves and probes wrote through the page cache is on disk
+                    os.sync()  # before a restore is timed, not written back under it
                 time.sleep(args.get("gap", 1.0))  # the last method's reads settle first
                 _barrier()
                 took = reader.restore(last_step[name])
