@@ -161,12 +161,17 @@ def test_a_2d_mesh_is_one_run_per_tensor_parallel_rank(tp_dim):
         _key(*w) for w in written["w"])
 
 
+def _columns(ndim):
+    """A box row's columns that a run keeps (tensor, sizes, nbytes) and those it steps
+    (offsets, rank, file offset), as ``box_rows`` lays them out."""
+    return [0, *range(1 + ndim, 1 + 2 * ndim), 2 * ndim + 3], [*range(1, 1 + ndim), 2 * ndim + 1, 2 * ndim + 2]
+
+
 def _steps_by_definition(rows, ndim):
     """``_steps``' two arrays, row by row in Python: link j when rows j and j+1 are of one
     tensor with the same sizes and bytes, in different ranks, the second not empty; cont j
     when links j-1 and j both hold with the same step."""
-    fixed = [0, *range(1 + ndim, 1 + 2 * ndim), 2 * ndim + 3]
-    moving = [*range(1, 1 + ndim), 2 * ndim + 1, 2 * ndim + 2]
+    fixed, moving = _columns(ndim)
     link = [all(a[c] == b[c] for c in fixed) and a[2 * ndim + 1] != b[2 * ndim + 1] and b[-1] > 0
             for a, b in zip(rows, rows[1:])]
     step = [[b[c] - a[c] for c in moving] for a, b in zip(rows, rows[1:])]
@@ -181,8 +186,7 @@ def test_steps_in_blocks_through_an_order_are_those_of_the_rows_reordered(data):
     order, never reordered whole: every block boundary and order gives the steps the rows,
     reordered, have by definition."""
     ndim = data.draw(st.integers(1, 2))
-    fixed = [0, *range(1 + ndim, 1 + 2 * ndim), 2 * ndim + 3]
-    moving = [*range(1, 1 + ndim), 2 * ndim + 1, 2 * ndim + 2]
+    fixed, moving = _columns(ndim)
     small = st.integers(0, 2)
     rows = []
     for _ in range(data.draw(st.integers(0, 6))):  # arithmetic sequences, as real layouts make
