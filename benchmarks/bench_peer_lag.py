@@ -1,6 +1,7 @@
 """How far behind its own reads a rank copies the other ranks' parts of a replicated state.
 
     python -m benchmarks.bench_peer_lag [--gb 1] [--worlds 2,3,4] [--lags 0,2,8] [--rounds 4]
+    python -m benchmarks.bench_peer_lag --lags 2:0,2:512   # LAG:PIECE_KB, the piece size too
 
 A replicated state (DDP: every rank holds all of it) restores on one node by splitting its
 bytes into one part per rank: each rank reads its own part from storage and copies the
@@ -11,7 +12,9 @@ yet; too many and every copy waits until the disk is done. Each cell runs ``--wo
 ranks on gloo. They save the state once, then restore it cold ``--rounds`` times per lag,
 the lags in a rotating order, in the same processes. Beside them runs a cold read of the
 step's data files, by one reader and by every rank reading its own share. Medians of the
-slowest rank's seconds.
+slowest rank's seconds. A lag may carry a piece size, ``LAG:PIECE_KB``: how many kB of
+another rank's part are read and checksummed at a time (``WARM_PIECE_BYTES``; 0 reads each
+run of chunks in one ``preadv``, then checksums it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _rotated, _timed_together, build_state, zero_state
 from benchmarks.common import GB, drop_cache, read_range_seconds
+from resilient._chunkio import WARM_PIECE_BYTES
 
 READ = "cold read"
 
@@ -58,7 +62,9 @@ def worker(args: dict[str, Any]) -> None:
                 took = _timed_together(lambda: (per_rank or rank == 0) and _read_span(
                     files, *(share if per_rank else (0, total))))
             else:
-                restore.PEER_LAG_TASKS = int(turn)
+                lag, _, piece_kb = turn.partition(":")
+                restore.PEER_LAG_TASKS = int(lag)
+                restore.WARM_PIECE_BYTES = int(piece_kb or WARM_PIECE_BYTES >> 10) << 10
                 zero_state(state)
                 with Checkpointer(args["root"], keep=1, rng=False) as ckpt:
                     took = _timed_together(lambda: ckpt.restore(state))
@@ -79,7 +85,7 @@ def _read_span(files: list[str], lo: int, hi: int) -> None:
         start += size
 
 
-def run_cell(gb: float, world: int, lags: list[int], rounds: int) -> dict[str, Any]:
+def run_cell(gb: float, world: int, lags: list[str], rounds: int) -> dict[str, Any]:
     from tests.launch import finish, start_ranks
 
     root = tempfile.mkdtemp(prefix="resilient-peer-lag-")
@@ -114,7 +120,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=1.0, help="replicated state in GB (default: %(default)s)")
     p.add_argument("--worlds", default="2,3,4", help="ranks on this node, comma separated (default: %(default)s)")
-    p.add_argument("--lags", default="0,2,8", help="values of PEER_LAG_TASKS to compare (default: %(default)s)")
+    p.add_argument("--lags", default="0,2,8",
+                   help="values of PEER_LAG_TASKS to compare, each LAG or LAG:PIECE_KB (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="cold restores per lag (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the cells here")
     p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
@@ -123,7 +130,7 @@ def main() -> None:
         with open(a.render) as f:
             print(render(json.load(f)))
         return
-    lags = [int(v) for v in a.lags.split(",")]
+    lags = a.lags.split(",")
     cells = []
     for world in map(int, a.worlds.split(",")):
         cells.append(run_cell(a.gb, world, lags, a.rounds))

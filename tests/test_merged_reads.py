@@ -1,6 +1,8 @@
 """Restore merges raw chunks stored back to back into one ``preadv``: the same bytes
 land in the same destinations, every chunk is still checked on its own (a bad byte or a
-truncation names the chunk it sits in), and what cannot be merged is read as before."""
+truncation names the chunk it sits in), and what cannot be merged is read as before. The
+same holds when a run is read a piece at a time (bytes in the page cache), with pieces
+that split chunks and the scratch around a tensor's wanted bytes anywhere."""
 
 from __future__ import annotations
 
@@ -39,23 +41,39 @@ def reads_into(file: ChunkedFile, dests: list[bytearray]) -> list[ChunkRead]:
     return tasks
 
 
+#: read in one ``preadv`` a run, or in pieces of 5,000 bytes (neither a chunk's divisor nor
+#: a multiple of a page: pieces end inside chunks, padding and scratch)
+PIECES = [0, 5000]
+
+
 def run_all(tasks) -> None:
     with ThreadPoolExecutor(4) as pool:
         for future in [pool.submit(t) for t in tasks]:
             future.result()
 
 
-def test_merged_reads_fill_every_destination_with_its_own_bytes(tmp_path):
+@pytest.mark.parametrize("piece", PIECES)
+def test_merged_reads_fill_every_destination_with_its_own_bytes(tmp_path, piece, monkeypatch):
     data = blobs()
     path = str(tmp_path / "f.data")
     record = write(path, data)
     dests = [bytearray(len(b)) for b in data]
     per_chunk = reads_into(ChunkedFile(path, record), dests)
-    merged = batched(per_chunk, limit=1 << 30)
+    merged = batched(per_chunk, limit=1 << 30, piece=piece)
     assert len(per_chunk) == len(record["chunks"]) > 1
     assert len(merged) == 1  # the whole file is one run of whole raw chunks
+    sizes = []  # of each read, as the kernel is asked for it
+    preadv = os.preadv
+
+    def counted(fd, bufs, offset):
+        sizes.append(sum(map(len, bufs)))
+        return preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counted)
     run_all(merged)
     assert [bytes(d) for d in dests] == data
+    assert sum(sizes) == sum(c[3] for c in record["chunks"])
+    assert max(sizes) == (piece or sum(sizes))  # one read of the whole run, or pieces
 
 
 def test_runs_respect_the_byte_limit_the_buffer_cap_and_the_default_split(tmp_path, monkeypatch):
@@ -93,7 +111,8 @@ def _run_of(task) -> list[ChunkRead]:
     return task.reads if isinstance(task, ChunkRun) else [task]
 
 
-def test_a_flipped_byte_inside_a_merged_run_names_its_chunk(tmp_path):
+@pytest.mark.parametrize("piece", PIECES)
+def test_a_flipped_byte_inside_a_merged_run_names_its_chunk(tmp_path, piece):
     data = blobs()
     path = str(tmp_path / "f.data")
     record = write(path, data)
@@ -104,19 +123,20 @@ def test_a_flipped_byte_inside_a_merged_run_names_its_chunk(tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     dests = [bytearray(len(b)) for b in data]
-    merged = batched(reads_into(ChunkedFile(path, record), dests), limit=1 << 30)
+    merged = batched(reads_into(ChunkedFile(path, record), dests), limit=1 << 30, piece=piece)
     with pytest.raises(CheckpointCorruptError, match=f"checksum mismatch in bytes {bad[2]}..{bad[2] + bad[3]}"):
         run_all(merged)
 
 
-def test_a_file_truncated_inside_a_merged_run_names_the_chunk_cut(tmp_path):
+@pytest.mark.parametrize("piece", PIECES)
+def test_a_file_truncated_inside_a_merged_run_names_the_chunk_cut(tmp_path, piece):
     data = blobs()
     path = str(tmp_path / "f.data")
     record = write(path, data)
     cut = record["chunks"][4]
     os.truncate(path, cut[2] + 10)
     dests = [bytearray(len(b)) for b in data]
-    merged = batched(reads_into(ChunkedFile(path, record), dests), limit=1 << 30)
+    merged = batched(reads_into(ChunkedFile(path, record), dests), limit=1 << 30, piece=piece)
     with pytest.raises(CheckpointCorruptError, match=f"truncated at byte {cut[2] + 10} \\(chunk at {cut[2]} "):
         run_all(merged)
 
@@ -145,7 +165,8 @@ def test_compressed_chunks_are_read_on_their_own_and_partial_raw_ones_merge(tmp_
     assert bytes(partial) == data[1][CHUNK // 2 : CHUNK // 2 + CHUNK]
 
 
-def test_chunks_holding_padding_merge_and_read_only_the_wanted_bytes(tmp_path):
+@pytest.mark.parametrize("piece", PIECES)
+def test_chunks_holding_padding_merge_and_read_only_the_wanted_bytes(tmp_path, piece):
     """Each tensor's last chunk holds the zeros that put the next tensor on a 64-byte
     offset: its wanted bytes land in the tensor, the padding in scratch, and the chunks of
     consecutive tensors still make one read."""
@@ -160,13 +181,14 @@ def test_chunks_holding_padding_merge_and_read_only_the_wanted_bytes(tmp_path):
         tasks += file.read_tasks(offset, memoryview(dest))
         offset += len(blob)
     assert any(not whole(t) for t in tasks)  # the odd-sized tensors' last chunks
-    merged = batched(tasks, limit=1 << 30)
+    merged = batched(tasks, limit=1 << 30, piece=piece)
     assert len(merged) == 1 and isinstance(merged[0], ChunkRun)
     run_all(merged)
     assert [bytes(d) for d in dests] == data
 
 
-def test_a_flipped_padding_byte_is_caught_though_no_one_asked_for_it(tmp_path):
+@pytest.mark.parametrize("piece", PIECES)
+def test_a_flipped_padding_byte_is_caught_though_no_one_asked_for_it(tmp_path, piece):
     data = [os.urandom(100), os.urandom(CHUNK)]
     path = str(tmp_path / "f.data")
     record = write(path, [memoryview(data[0] + bytes(28)), memoryview(data[1])])
@@ -178,7 +200,7 @@ def test_a_flipped_padding_byte_is_caught_though_no_one_asked_for_it(tmp_path):
     tasks += ChunkedFile(path, record).read_tasks(128, memoryview(dests[1]))
     first = record["chunks"][0]
     with pytest.raises(CheckpointCorruptError, match=f"checksum mismatch in bytes 0..{first[3]}"):
-        run_all(batched(tasks, limit=1 << 30))
+        run_all(batched(tasks, limit=1 << 30, piece=piece))
 
 
 def test_other_ranks_parts_are_queued_a_lag_behind_their_owners():
