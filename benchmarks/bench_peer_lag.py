@@ -1,7 +1,7 @@
 """How far behind its own reads a rank copies the other ranks' parts of a replicated state.
 
     python -m benchmarks.bench_peer_lag [--gb 1] [--worlds 2,3,4] [--lags 0,2,8] [--rounds 4]
-    python -m benchmarks.bench_peer_lag --lags 2:0,2:512   # LAG:PIECE_KB, the piece size too
+    python -m benchmarks.bench_peer_lag --lags 2:0,2:512 [--layout sharded]   # LAG:PIECE_KB
 
 A replicated state (DDP: every rank holds all of it) restores on one node by splitting its
 bytes into one part per rank: each rank reads its own part from storage and copies the
@@ -13,8 +13,9 @@ ranks on gloo. They save the state once, then restore it cold ``--rounds`` times
 the lags in a rotating order, in the same processes. Beside them runs a cold read of the
 step's data files, by one reader and by every rank reading its own share. Medians of the
 slowest rank's seconds. A lag may carry a piece size, ``LAG:PIECE_KB``: how many kB of
-another rank's part are read and checksummed at a time (``WARM_PIECE_BYTES``; 0 reads each
-run of chunks in one ``preadv``, then checksums it).
+a run of chunks are read and checksummed at a time (``READ_PIECE_BYTES``; 0 reads each run
+in one ``preadv``, then checksums it). ``--layout sharded`` restores an FSDP-like state
+instead, where only the piece size matters.
 """
 
 from __future__ import annotations
@@ -33,19 +34,20 @@ import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _rotated, _timed_together, build_state, zero_state
 from benchmarks.common import GB, drop_cache, read_range_seconds
-from resilient._chunkio import WARM_PIECE_BYTES
+from resilient._chunkio import READ_PIECE_BYTES
 
 READ = "cold read"
 
 
 def worker(args: dict[str, Any]) -> None:
     """One rank: save once, then restore cold with each lag in turn, the reads beside."""
+    import resilient._chunkio as chunkio
     import resilient._restore as restore
     from resilient import Checkpointer
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    state = build_state(int(args["gb"] * GB), world, "replicated")
+    state = build_state(int(args["gb"] * GB), world, args["layout"])
     with Checkpointer(args["root"], keep=1, rng=False) as ckpt:
         ckpt.save(1, state).result()
     step_dir = os.path.join(args["root"], "step-0000000001")
@@ -64,7 +66,7 @@ def worker(args: dict[str, Any]) -> None:
             else:
                 lag, _, piece_kb = turn.partition(":")
                 restore.PEER_LAG_TASKS = int(lag)
-                restore.WARM_PIECE_BYTES = int(piece_kb or WARM_PIECE_BYTES >> 10) << 10
+                chunkio.READ_PIECE_BYTES = int(piece_kb or READ_PIECE_BYTES >> 10) << 10
                 zero_state(state)
                 with Checkpointer(args["root"], keep=1, rng=False) as ckpt:
                     took = _timed_together(lambda: ckpt.restore(state))
@@ -85,12 +87,12 @@ def _read_span(files: list[str], lo: int, hi: int) -> None:
         start += size
 
 
-def run_cell(gb: float, world: int, lags: list[str], rounds: int) -> dict[str, Any]:
+def run_cell(gb: float, world: int, lags: list[str], rounds: int, layout: str) -> dict[str, Any]:
     from tests.launch import finish, start_ranks
 
     root = tempfile.mkdtemp(prefix="resilient-peer-lag-")
     try:
-        args = {"gb": gb, "root": os.path.join(root, "ck"), "lags": lags, "rounds": rounds}
+        args = {"gb": gb, "root": os.path.join(root, "ck"), "lags": lags, "rounds": rounds, "layout": layout}
         procs = start_ranks("worker", world, args, module="benchmarks.bench_peer_lag",
                             env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))})
         samples = None
@@ -102,7 +104,7 @@ def run_cell(gb: float, world: int, lags: list[str], rounds: int) -> dict[str, A
         shutil.rmtree(root, ignore_errors=True)
     assert samples is not None
     read_s = min(statistics.median(samples[READ]), statistics.median(samples[READ + " per rank"]))
-    return {"gb": gb, "world": world, "read_s": read_s, "samples": samples,
+    return {"gb": gb, "world": world, "layout": layout, "read_s": read_s, "samples": samples,
             "restore_s": {lag: statistics.median(samples[str(lag)]) for lag in lags}}
 
 
@@ -111,7 +113,7 @@ def render(cells: list[dict[str, Any]]) -> str:
     lines = ["| state | ranks | cold read (faster pattern) | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
              "|---|---|---|" + "---|" * len(lags)]
     for c in cells:
-        lines.append(f"| {c['gb']:g} GB | {c['world']} | {c['read_s']:.3f} s | " + " | ".join(
+        lines.append(f"| {c['gb']:g} GB, {c.get('layout', 'replicated')} | {c['world']} | {c['read_s']:.3f} s | " + " | ".join(
             f"{s:.3f} s ({c['read_s'] / s:.0%})" for s in c["restore_s"].values()) + " |")
     return "\n".join(lines)
 
@@ -122,6 +124,8 @@ def main() -> None:
     p.add_argument("--worlds", default="2,3,4", help="ranks on this node, comma separated (default: %(default)s)")
     p.add_argument("--lags", default="0,2,8",
                    help="values of PEER_LAG_TASKS to compare, each LAG or LAG:PIECE_KB (default: %(default)s)")
+    p.add_argument("--layout", choices=["replicated", "sharded"], default="replicated",
+                   help="the state's layout; sharded compares piece sizes alone (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="cold restores per lag (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the cells here")
     p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
@@ -133,7 +137,7 @@ def main() -> None:
     lags = a.lags.split(",")
     cells = []
     for world in map(int, a.worlds.split(",")):
-        cells.append(run_cell(a.gb, world, lags, a.rounds))
+        cells.append(run_cell(a.gb, world, lags, a.rounds, a.layout))
         print(render(cells[-1:]), flush=True)
         if a.json:
             with open(a.json, "w") as f:

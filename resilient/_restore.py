@@ -45,7 +45,7 @@ from typing import Any, Callable, MutableMapping
 import torch
 
 from ._box_runs import SavedBoxes
-from ._chunkio import WARM_PIECE_BYTES, ChunkedFile, ChunkRun, batched
+from ._chunkio import ChunkedFile, ChunkRun, batched
 from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
@@ -726,8 +726,7 @@ def _share_through_page_cache(reader: _Reader | None, manifest: dict[str, Any],
             for turn in range(size):
                 part = (me + turn) % size
                 turn_reads = _runs_reads(reader, runs, lambda owner: owner == part, manifest, destinations)
-                by_turn.append(batched((t for ts in turn_reads.values() for t in ts),
-                                       piece=WARM_PIECE_BYTES if turn else 0))
+                by_turn.append(batched(t for ts in turn_reads.values() for t in ts))
             error = _settle([pool.submit(task) for task in lagged(by_turn, PEER_LAG_TASKS)], None)
         except BaseException as exc:  # noqa: BLE001 - voted on below
             error = exc

@@ -152,7 +152,7 @@ def test_compressed_chunks_are_read_on_their_own_and_partial_raw_ones_merge(tmp_
     tasks = reads_into(file, dests)
     partial = bytearray(CHUNK)  # a range across two raw chunks, not from a chunk's start
     tasks += file.read_tasks(3 * CHUNK + CHUNK // 2, memoryview(partial))
-    merged = batched(tasks, limit=1 << 30)
+    merged = batched(tasks, limit=1 << 30, piece=0)  # one task per merged run, one per chunk alone
     runs = [t for t in merged if isinstance(t, ChunkRun)]
     # the second blob's two raw chunks are each read twice: whole, and in part for
     # ``partial``. In file order: the first chunk whole, then (one run) its wanted half and
