@@ -13,9 +13,10 @@ ranks on gloo. They save the state once, then restore it cold ``--rounds`` times
 the lags in a rotating order, in the same processes. Beside them runs a cold read of the
 step's data files, by one reader and by every rank reading its own share. Medians of the
 slowest rank's seconds. A lag may carry a piece size, ``LAG:PIECE_KB``: how many kB of
-a run of chunks are read and checksummed at a time (``READ_PIECE_BYTES``; 0 reads each run
-in one ``preadv``, then checksums it). ``--layout sharded`` restores an FSDP-like state
-instead, where only the piece size matters.
+a run of shared chunks are read and checksummed at a time (``SHARED_PIECE_BYTES``; 0 reads
+each run in one ``preadv``, then checksums it). ``--layout sharded`` restores an FSDP-like
+state instead, which shares nothing, so that lags and pieces change nothing there (at
+f58ee28, where every read came in pieces, it measured pieces on sharded state).
 """
 
 from __future__ import annotations
@@ -34,14 +35,13 @@ import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _rotated, _timed_together, build_state, zero_state
 from benchmarks.common import GB, drop_cache, read_range_seconds
-from resilient._chunkio import READ_PIECE_BYTES
+from resilient._restore import SHARED_PIECE_BYTES
 
 READ = "cold read"
 
 
 def worker(args: dict[str, Any]) -> None:
     """One rank: save once, then restore cold with each lag in turn, the reads beside."""
-    import resilient._chunkio as chunkio
     import resilient._restore as restore
     from resilient import Checkpointer
 
@@ -66,7 +66,7 @@ def worker(args: dict[str, Any]) -> None:
             else:
                 lag, _, piece_kb = turn.partition(":")
                 restore.PEER_LAG_TASKS = int(lag)
-                chunkio.READ_PIECE_BYTES = int(piece_kb or READ_PIECE_BYTES >> 10) << 10
+                restore.SHARED_PIECE_BYTES = int(piece_kb or SHARED_PIECE_BYTES >> 10) << 10
                 zero_state(state)
                 with Checkpointer(args["root"], keep=1, rng=False) as ckpt:
                     took = _timed_together(lambda: ckpt.restore(state))
@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--lags", default="0,2,8",
                    help="values of PEER_LAG_TASKS to compare, each LAG or LAG:PIECE_KB (default: %(default)s)")
     p.add_argument("--layout", choices=["replicated", "sharded"], default="replicated",
-                   help="the state's layout; sharded compares piece sizes alone (default: %(default)s)")
+                   help="the state's layout; sharded shares nothing (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="cold restores per lag (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the cells here")
     p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")

@@ -30,7 +30,7 @@ from ._chunk_table import chunks_of, with_footer
 from ._errors import CheckpointCorruptError
 
 __all__ = [
-    "CODECS", "write_chunked", "ChunkedFile", "ChunkRead", "ChunkRun", "batched", "READ_PIECE_BYTES", "decode_chunk",
+    "CODECS", "write_chunked", "ChunkedFile", "ChunkRead", "ChunkRun", "batched", "decode_chunk",
     "fsync_dir", "crc32",
 ]
 
@@ -393,7 +393,8 @@ class ChunkedFile:
 
     def _read_run_in_pieces(self, run: list["ChunkRead"], buffers: list[list[memoryview]], piece: int) -> None:
         """Why pieces: a piece's CRC then reads bytes still in the core's cache, where after
-        one large read it reads them back from memory (``READ_PIECE_BYTES``)."""
+        one large read it reads them back from memory (see ``SHARED_PIECE_BYTES`` in
+        ``_restore``, where it pays)."""
         fd, offset = self._open(), run[0].chunk[2]
         for read, bufs in zip(run, buffers):
             crc = done = 0
@@ -459,32 +460,19 @@ READ_BATCH_BYTES = 128 << 20
 #: a call's reads are merged into at least this many runs where the bytes allow, so that
 #: every read thread still has work (8: the most threads a rank's read pool has)
 READ_BATCH_WAYS = 8
-#: a run is read and checksummed this many bytes at a time, so that the checksum reads what
-#: the copy has just left in the core's cache (2 MB of L2 here) rather than memory, once more
-#: per byte. Measured here, 1 GB in the page cache copied and checksummed by every process at
-#: once: 4 processes 0.52-0.64 s in 256 kB pieces against 0.72-0.78 s in 32 MB reads,
-#: 2 processes 0.31-0.38 s against 0.37-0.41 s; 4 MB pieces were as slow as 32 MB. From a
-#: cold page cache too (the kernel reads ahead of a sequential reader; asking it to with
-#: ``POSIX_FADV_WILLNEED`` first was slower): 1 GB by 4 threads 0.65 s median against 0.73 s.
-#: Cold replicated restores (``benchmarks/bench_peer_lag.py``, 1 GB, medians of 6): 4 ranks
-#: 0.927 s in pieces, 1.108 s with only the other ranks' parts in pieces, 1.129 s in whole
-#: runs (faster in 6 of 6 rounds, paired); 2 ranks 0.744 s, 0.810 s, 0.789 s.
-READ_PIECE_BYTES = 512 << 10
 #: and at most this many buffers go in one run's ``preadv`` (Linux takes 1024): a chunk
 #: needs one, or up to three when only part of it is wanted
 READ_BATCH_BUFFERS = 1024
 
 
-def batched(tasks: Iterable[Callable[[], None]], limit: int | None = None, piece: int | None = None
+def batched(tasks: Iterable[Callable[[], None]], limit: int | None = None, piece: int = 0
             ) -> list[Callable[[], None]]:
     """The same reads as fewer tasks: raw chunks stored back to back in one file
     (consecutive tensors, usually) become one read, in file order; every other task is kept
     as it is. Each chunk is still verified on its own. A run holds at most ``limit`` bytes:
     by default the bytes split ``READ_BATCH_WAYS`` ways, at most ``READ_BATCH_BYTES``;
-    0 merges nothing. A run is read ``piece`` bytes at a time (by default
-    ``READ_PIECE_BYTES``; 0: in one ``preadv``)."""
-    if piece is None:
-        piece = READ_PIECE_BYTES
+    0 merges nothing. A run is read ``piece`` bytes at a time, each checksummed while still
+    in cache, or (0) in one ``preadv``."""
     out: list[Callable[[], None]] = []
     by_file: dict[int, list[ChunkRead]] = {}
     for task in tasks:

@@ -701,6 +701,21 @@ def _vote(sharing: _Sharing, error: BaseException | None, manifest: dict[str, An
 PEER_LAG_TASKS = 2
 
 
+#: the shared reads are read and checksummed this many bytes at a time: the checksum then
+#: reads what the copy has just left in the core's cache (2 MB of L2 here), not memory. Why
+#: only here: a rank that copies the other ranks' parts does as many copies as the node has
+#: ranks, so the CPU and memory, not the disk, set the pace; a rank reading only its own
+#: shard waits on the disk, which serves one large read as well or better. Measured here,
+#: 1 GB in the page cache copied and checksummed by every process at once: 4 processes
+#: 0.52-0.64 s in 256 kB pieces against 0.72-0.78 s in 32 MB reads (4 MB pieces were as slow
+#: as 32 MB). In cold restores (``benchmarks/bench_peer_lag.py``, 1 GB, medians of 6, both
+#: in the same processes): replicated on 4 ranks 0.730 s against 0.850 s in whole runs, on
+#: 3 ranks 0.713 s against 0.776 s, on 2 ranks 0.691 s against 0.732 s; sharded, 1 rank
+#: 0.548 s against 0.526 s, 2 ranks 0.645 s against 0.613 s. Asking the kernel to read ahead
+#: (``POSIX_FADV_WILLNEED``) before the pieces was slower.
+SHARED_PIECE_BYTES = 512 << 10
+
+
 def lagged(by_turn: list[list[Task]], lag: int) -> list[Task]:
     """One queue of every turn's reads, turn ``t``'s ``k``-th read after turn 0's
     ``k + t * lag``-th (each turn's own order kept)."""
@@ -726,7 +741,7 @@ def _share_through_page_cache(reader: _Reader | None, manifest: dict[str, Any],
             for turn in range(size):
                 part = (me + turn) % size
                 turn_reads = _runs_reads(reader, runs, lambda owner: owner == part, manifest, destinations)
-                by_turn.append(batched(t for ts in turn_reads.values() for t in ts))
+                by_turn.append(batched((t for ts in turn_reads.values() for t in ts), piece=SHARED_PIECE_BYTES))
             error = _settle([pool.submit(task) for task in lagged(by_turn, PEER_LAG_TASKS)], None)
         except BaseException as exc:  # noqa: BLE001 - voted on below
             error = exc

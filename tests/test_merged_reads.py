@@ -1,8 +1,9 @@
 """Restore merges raw chunks stored back to back into one ``preadv``: the same bytes
 land in the same destinations, every chunk is still checked on its own (a bad byte or a
 truncation names the chunk it sits in), and what cannot be merged is read as before. The
-same holds when a run is read a piece at a time (bytes in the page cache), with pieces
-that split chunks and the scratch around a tensor's wanted bytes anywhere."""
+same holds whether a run is read a piece at a time (as restore reads shared state, so that each
+piece's checksum reads bytes still in cache) or in one ``preadv``, with pieces that split
+chunks and the scratch around a tensor's wanted bytes anywhere."""
 
 from __future__ import annotations
 
