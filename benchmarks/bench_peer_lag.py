@@ -113,7 +113,8 @@ def render(cells: list[dict[str, Any]]) -> str:
     lines = ["| state | ranks | cold read (faster pattern) | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
              "|---|---|---|" + "---|" * len(lags)]
     for c in cells:
-        lines.append(f"| {c['gb']:g} GB, {c.get('layout', 'replicated')} | {c['world']} | {c['read_s']:.3f} s | " + " | ".join(
+        state = f"{c['gb']:g} GB, {c.get('layout', 'replicated')}"
+        lines.append(f"| {state} | {c['world']} | {c['read_s']:.3f} s | " + " | ".join(
             f"{s:.3f} s ({c['read_s'] / s:.0%})" for s in c["restore_s"].values()) + " |")
     return "\n".join(lines)
 

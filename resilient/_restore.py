@@ -711,8 +711,11 @@ PEER_LAG_TASKS = 2
 #: as 32 MB). In cold restores (``benchmarks/bench_peer_lag.py``, 1 GB, medians of 6, both
 #: in the same processes): replicated on 4 ranks 0.730 s against 0.850 s in whole runs, on
 #: 3 ranks 0.713 s against 0.776 s, on 2 ranks 0.691 s against 0.732 s; sharded, 1 rank
-#: 0.548 s against 0.526 s, 2 ranks 0.645 s against 0.613 s. Asking the kernel to read ahead
-#: (``POSIX_FADV_WILLNEED``) before the pieces was slower.
+#: 0.548 s against 0.526 s, 2 ranks 0.645 s against 0.613 s. 512 kB from a sweep of 256 kB,
+#: 512 kB and 1 MB on 2, 3 and 4 ranks (``results-peer-pieces.json``, only the other ranks'
+#: parts in pieces): never the fastest median nor the slowest, faster than whole runs in 15
+#: of 18 rounds, paired.
+#: Asking the kernel to read ahead (``POSIX_FADV_WILLNEED``) before the pieces was slower.
 SHARED_PIECE_BYTES = 512 << 10
 
 
