@@ -714,8 +714,8 @@ PEER_LAG_TASKS = 2
 #: 0.548 s against 0.526 s, 2 ranks 0.645 s against 0.613 s. 512 kB from a sweep of 256 kB,
 #: 512 kB and 1 MB on 2, 3 and 4 ranks (``results-peer-pieces.json``, only the other ranks'
 #: parts in pieces): never the fastest median nor the slowest, faster than whole runs in 15
-#: of 18 rounds, paired.
-#: Asking the kernel to read ahead (``POSIX_FADV_WILLNEED``) before the pieces was slower.
+#: of 18 rounds, paired. Asking the kernel to read ahead (``POSIX_FADV_WILLNEED``) before
+#: the pieces was slower.
 SHARED_PIECE_BYTES = 512 << 10
 
 
