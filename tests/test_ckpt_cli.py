@@ -224,6 +224,20 @@ def test_python_dash_m_works_like_the_script(local_root):
     assert proc.returncode == 0 and [r["step"] for r in json.loads(proc.stdout)] == [1, 2, 3]
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    # `resilient-ckpt show ROOT | head`: the reader closes its end before the listing is
+    # done; the command stops as a filter does (SIGPIPE's status), with nothing on stderr
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {f"layer{i:04d}": torch.zeros(2) for i in range(2000)})
+    proc = subprocess.Popen([sys.executable, "-m", "resilient.ckpt", "show", root], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"step 1: 2000 tensors")
+    proc.stdout.close()  # far more than a pipe's buffer is still to come
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == ""
+
+
 def test_push_pull_and_every_command_on_s3(capsys, local_root, tmp_path, s3_server, monkeypatch):
     url = f"s3://{s3_server['bucket']}/{uuid.uuid4().hex}"
     opts = json.dumps(s3_server["options"])

@@ -2,13 +2,15 @@
 
 ROOT is a local directory or an fsspec URL (s3://bucket/run-42, memory://x, ...). Nothing
 read from a checkpoint is ever unpickled or executed. Exit status: 0 success, 1 a problem
-found (corruption, a missing step), 2 a usage error.
+found (corruption, a missing step), 2 a usage error, 141 when the reader of the output
+stops early (as ``| head`` does).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any, Callable, Sequence
 
@@ -374,6 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Usage as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (``resilient-ckpt show ... | head``): like any filter cut
+        # short, stop quietly with the status a SIGPIPE would give, not an error message
+        return 128 + signal.SIGPIPE
     except (Problem, CheckpointCorruptError, FileNotFoundError, StorageError, ExportError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
