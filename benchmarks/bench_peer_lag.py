@@ -10,7 +10,8 @@ others' out of the page cache as their owners bring them in (``resilient/_restor
 queues before each read of another's part. Too few and a rank asks for pages nobody has read
 yet; too many and every copy waits until the disk is done. Each cell runs ``--worlds``
 ranks on gloo. They save the state once, then restore it cold ``--rounds`` times per lag,
-the lags in a rotating order, in the same processes. Beside them runs a cold read of the
+the lags in a rotating order, in the same processes (a lag written ``LAG warm`` restores
+with the step's files already in the page cache: the copies alone, without the disk). Beside them runs a cold read of the
 step's data files, by one reader and by every rank reading its own share. Medians of the
 slowest rank's seconds. A lag may carry a piece size, ``LAG:PIECE_KB``: how many kB of
 a run of shared chunks are read and checksummed at a time (``SHARED_PIECE_BYTES``; 0 reads
@@ -38,6 +39,9 @@ from benchmarks.common import GB, drop_cache, read_range_seconds
 from resilient._restore import SHARED_PIECE_BYTES
 
 READ = "cold read"
+#: a lag with this suffix restores from a warm page cache (the step's files read just
+#: before): what the restore costs when the disk costs nothing, the floor of its copies
+WARM = " warm"
 
 
 def worker(args: dict[str, Any]) -> None:
@@ -57,14 +61,17 @@ def worker(args: dict[str, Any]) -> None:
     samples: dict[str, list[float]] = {}
     for rnd in range(args["rounds"]):
         for turn in _rotated([*map(str, args["lags"]), READ, READ + " per rank"], rnd):
-            drop_cache(step_dir)
+            if turn.endswith(WARM):
+                _read_span(files, *share)  # every rank its share: the whole step, cached
+            else:
+                drop_cache(step_dir)
             time.sleep(1.0)  # the last turn's I/O settles first, as in bench_checkpoint
             if turn.startswith(READ):
                 per_rank = turn != READ
                 took = _timed_together(lambda: (per_rank or rank == 0) and _read_span(
                     files, *(share if per_rank else (0, total))))
             else:
-                lag, _, piece_kb = turn.partition(":")
+                lag, _, piece_kb = turn.removesuffix(WARM).partition(":")
                 restore.PEER_LAG_TASKS = int(lag)
                 restore.SHARED_PIECE_BYTES = int(piece_kb or SHARED_PIECE_BYTES >> 10) << 10
                 zero_state(state)
@@ -124,7 +131,8 @@ def main() -> None:
     p.add_argument("--gb", type=float, default=1.0, help="replicated state in GB (default: %(default)s)")
     p.add_argument("--worlds", default="2,3,4", help="ranks on this node, comma separated (default: %(default)s)")
     p.add_argument("--lags", default="0,2,8",
-                   help="values of PEER_LAG_TASKS to compare, each LAG or LAG:PIECE_KB (default: %(default)s)")
+                   help="values of PEER_LAG_TASKS to compare, each LAG or LAG:PIECE_KB, "
+                        "either with ' warm' to restore from a warm page cache (default: %(default)s)")
     p.add_argument("--layout", choices=["replicated", "sharded"], default="replicated",
                    help="the state's layout; sharded shares nothing (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="cold restores per lag (default: %(default)s)")
