@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -276,3 +278,37 @@ def test_a_late_refresh_fences_the_workers_but_keeps_the_lease(etcd_server, run_
     finally:
         proxy.release()
         slow.shutdown()
+
+
+def test_an_etcd_that_is_not_up_yet_is_waited_for_and_told_once(run_id, caplog):
+    # a node whose etcd starts after it: the join retries every half second, but says so in
+    # one line (then every OUTAGE_REMINDER_S), and once more when etcd answers
+    from resilient.devservices import EtcdServer
+
+    later = EtcdServer()
+    node = EtcdV3RendezvousHandler(Etcd(later.endpoint, timeout=0.5), run_id, 1, 1, local_addr="127.0.0.1",
+                                   lease_ttl=3, join_timeout=30, last_call_timeout=1)
+    try:
+        starter = threading.Timer(3.0, later.start)
+        starter.start()
+        info = node.next_rendezvous()
+        starter.join()
+        assert info.world_size == 1
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("resilient") and "rendezvous for" in r.getMessage()]
+        retrying = [m for m in lines if "retrying" in m]
+        assert len(retrying) == 1 and later.endpoint in retrying[0] and "left of join_timeout" in retrying[0]
+        assert sum("etcd answered again after" in m for m in lines) == 1
+    finally:
+        node.shutdown()
+        later.close()
+
+
+def test_the_handler_module_imported_first_still_registers_the_backend():
+    # torch loads `torchrun.handlers` entry points when its rendezvous registry is first
+    # imported; the handler's module imports that registry, so it must not be the entry point
+    code = ("import resilient.launch.rendezvous\n"
+            "from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry as r\n"
+            "print(sorted(r._registry))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "etcd-v3" in proc.stdout, proc.stderr
+    assert "Exception while registering" not in proc.stderr and "circular import" not in proc.stderr

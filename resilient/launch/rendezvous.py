@@ -186,6 +186,33 @@ def assign_ranks(joined: list[str], previous: list[str], size: int) -> list[str]
     return [slot if slot is not None else next(newcomers) for slot in order]
 
 
+#: while etcd stays unreachable during a join, how often to say so again
+OUTAGE_REMINDER_S = 10.0
+
+
+class _Outage:
+    """An unreachable etcd during a join, told once when it starts, again every
+    ``OUTAGE_REMINDER_S`` with the time left before ``join_timeout``, and once when it ends:
+    the join retries every half second, and a line per retry (1,200 in the default 600 s)
+    buries whatever else the agent has to say."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since = time.monotonic()
+        self._next_line = self.since
+
+    def failed(self, exc: OSError, deadline: float) -> None:
+        now = time.monotonic()
+        if now < self._next_line:
+            return
+        self._next_line = now + OUTAGE_REMINDER_S
+        log.warning("%s: %s; retrying (for %.0f s so far, %.0f s left of join_timeout)",
+                    self.what, exc, now - self.since, max(0.0, deadline - now))
+
+    def over(self) -> None:
+        log.warning("%s: etcd answered again after %.1f s", self.what, time.monotonic() - self.since)
+
+
 class _Closing:
     """What the closer of one round watches while it is open: the joins and the live nodes."""
 
@@ -376,6 +403,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         self._joining_since = time.monotonic()
         deadline = self._joining_since + self.conf["join_timeout"]
+        outage: _Outage | None = None  # etcd unreachable since: a line per outage, not per retry
         while True:
             if self._shut_down:
                 raise RendezvousClosedError(f"the rendezvous handler of {self.node} for run {self.run_id!r} "
@@ -394,7 +422,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             except EtcdSecurityError:  # TLS or credentials: retrying cannot fix a configuration
                 raise
             except OSError as exc:   # etcd unreachable for now: wait and try again
-                log.warning("rendezvous for %s: %s; retrying", self.run_id, exc)
+                outage = outage or _Outage(f"rendezvous for {self.run_id}")
+                outage.failed(exc, deadline)
                 time.sleep(0.5)
                 continue
             except Etcd3Exception as exc:
@@ -406,6 +435,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     self._keeper.lost.set()
                 time.sleep(0.2)
                 continue
+            if outage is not None:
+                outage.over()
+                outage = None
             if info is not None:
                 return info
             self._changes.wait(version, timeout=0.5)
@@ -587,8 +619,3 @@ def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
     etcd.authenticate()
     return EtcdV3RendezvousHandler(etcd, params.run_id, params.min_nodes, params.max_nodes,
                                    local_addr=params.local_addr, **timeouts)
-
-
-def handler_entry_point() -> Any:
-    """``torchrun.handlers`` entry point: torch calls it and registers what it returns."""
-    return create_handler
