@@ -294,7 +294,8 @@ def test_an_etcd_that_is_not_up_yet_is_waited_for_and_told_once(run_id, caplog):
         info = node.next_rendezvous()
         starter.join()
         assert info.world_size == 1
-        lines = [r.getMessage() for r in caplog.records if r.name.startswith("resilient") and "rendezvous for" in r.getMessage()]
+        lines = [m for m in (r.getMessage() for r in caplog.records if r.name.startswith("resilient"))
+                 if "rendezvous for" in m]
         retrying = [m for m in lines if "retrying" in m]
         assert len(retrying) == 1 and later.endpoint in retrying[0] and "left of join_timeout" in retrying[0]
         assert sum("etcd answered again after" in m for m in lines) == 1
