@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -44,6 +45,18 @@ def test_unknown_launcher_flag_before_the_script_is_an_error(capsys):
     with pytest.raises(SystemExit):
         parse(["--bogus-flag", "train.py"])
     assert "--bogus-flag" in capsys.readouterr().err
+
+
+def test_a_missing_training_script_is_refused_before_any_rendezvous(tmp_path):
+    # with an etcd endpoint nobody serves: the refusal comes before the agent would wait on it
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "resilient.launch.run", "--nnodes=2", "--rdzv-backend=etcd-v3",
+         "--rdzv-endpoint=127.0.0.1:1", str(tmp_path / "trian.py"), "--lr", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 2 and time.monotonic() - started < 30
+    assert f"training script '{tmp_path / 'trian.py'}' is not a file" in result.stderr
+    assert "Traceback" not in result.stderr and "rendezvous" not in result.stderr
 
 
 def test_standalone_two_workers_get_torchruns_environment(tmp_path):

@@ -231,6 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import run
 
     args = parse(sys.argv[1:] if argv is None else argv)
+    if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
+        # torchrun finds out only once it has joined the gang and its workers fail to start,
+        # on every node and at every restart
+        print(f"resilient-run: error: training script {args.training_script!r} is not a file "
+              "(-m runs a module, --no-python a command)", file=sys.stderr)
+        sys.exit(2)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     prepare_preemption(args)
     if args.event_log:
