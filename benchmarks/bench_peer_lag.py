@@ -13,9 +13,9 @@ ranks on gloo. They save the state once, then restore it cold ``--rounds`` times
 the lags in a rotating order, in the same processes (a lag written ``LAG warm`` restores
 with the step's files already in the page cache: the copies alone, without the disk).
 Beside them runs a cold read of the step's data files, by one reader and by every rank
-reading its own share. Medians of the slowest rank's seconds. A lag may carry a piece size, ``LAG:PIECE_KB``: how many kB of
-a run of shared chunks are read and checksummed at a time (``SHARED_PIECE_BYTES``; 0 reads
-each run in one ``preadv``, then checksums it). ``--layout sharded`` restores an FSDP-like
+reading its own share. Medians of the slowest rank's seconds. A lag may carry a piece
+size, ``LAG:PIECE_KB``: how many kB of a run of shared chunks are read and checksummed at a
+time (``SHARED_PIECE_BYTES``; 0 reads each run in one ``preadv``, then checksums it). ``--layout sharded`` restores an FSDP-like
 state instead, which shares nothing, so that lags and pieces change nothing there (at
 f58ee28, where every read came in pieces, it measured pieces on sharded state).
 """

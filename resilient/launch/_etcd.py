@@ -337,6 +337,29 @@ def exists(key: str) -> dict[str, Any]:
     return {"key": _b64(key), "target": "VERSION", "result": "GREATER", "version": 0}
 
 
+class Outage:
+    """etcd failing for a while, told once when it starts, again every ``reminder_s`` (None:
+    never) and once when it ends. Why: its callers retry every fraction of a second, and a
+    line per retry (1,200 in a join's default 600 s) buries whatever else the agent says."""
+
+    def __init__(self, what: str, reminder_s: float | None = None) -> None:
+        self.what = what
+        self.reminder_s = reminder_s
+        self.since = time.monotonic()
+        self._next_line: float | None = self.since
+
+    def failed(self, exc: BaseException, note: str = "") -> None:
+        now = time.monotonic()
+        if self._next_line is None or now < self._next_line:
+            return
+        self._next_line = None if self.reminder_s is None else now + self.reminder_s
+        log.warning("%s: %s; retrying (for %.0f s so far%s)", self.what, exc, now - self.since,
+                    f", {note}" if note else "")
+
+    def over(self) -> None:
+        log.warning("%s: etcd answered again after %.1f s", self.what, time.monotonic() - self.since)
+
+
 class LeaseKeeper:
     """Keeps one lease alive from a daemon thread, retrying through etcd hiccups.
 
@@ -367,24 +390,23 @@ class LeaseKeeper:
 
     def _loop(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)
-        failing_since: float | None = None  # one warning per outage, not one per retry
+        outage: Outage | None = None  # one warning per outage, not one per retry
         while not self._stop.wait(interval if self._healthy() else 0.2 if not self.overdue() else 1.0):
             sent = time.monotonic()  # the lease lives TTL from when etcd saw the request at the latest
             try:
                 left = self.etcd.refresh(self.lease)
             except (EtcdUnavailable, Etcd3Exception) as exc:
-                if failing_since is None:
-                    failing_since = sent
-                    log.warning("etcd lease refresh failed (%s); retrying", exc)
+                outage = outage or Outage(f"etcd lease {self.lease:x} refresh")
+                outage.failed(exc)
                 if time.monotonic() - self._last_ok >= self.ttl:
                     self._overdue.set()
                 continue
             if left <= 0:
                 self._declare_lost()
                 return
-            if failing_since is not None:
-                log.warning("etcd lease %x refreshed again after %.1f s of failures", self.lease, sent - failing_since)
-                failing_since = None
+            if outage is not None:
+                outage.over()
+                outage = None
             self._last_ok = sent
             self._overdue.clear()
 

@@ -65,6 +65,7 @@ from .._events import EventLog
 from .._metrics import mark_agent
 from .._sealed import new_secret
 from ._etcd import (TLS_KEYS, Changes, DeletionWatch, Etcd, EtcdSecurity, EtcdSecurityError, KeyValue, LeaseKeeper,
+                    Outage,
                     PrefixMirror, exists, same_revision)
 from .gang import GANG_ENV
 
@@ -84,6 +85,8 @@ DEFAULTS: dict[str, float] = {
 
 #: how long a survivor other than the first waits for the first to open the next round
 OPEN_GRACE_S = 1.0
+#: while etcd stays unreachable during a join, how often to say so again
+OUTAGE_REMINDER_S = 10.0
 
 
 @dataclass
@@ -184,33 +187,6 @@ def assign_ranks(joined: list[str], previous: list[str], size: int) -> list[str]
             order[previous.index(node)] = node
     newcomers = iter(node for node in chosen if node not in order)
     return [slot if slot is not None else next(newcomers) for slot in order]
-
-
-#: while etcd stays unreachable during a join, how often to say so again
-OUTAGE_REMINDER_S = 10.0
-
-
-class _Outage:
-    """An unreachable etcd during a join, told once when it starts, again every
-    ``OUTAGE_REMINDER_S`` with the time left before ``join_timeout``, and once when it ends:
-    the join retries every half second, and a line per retry (1,200 in the default 600 s)
-    buries whatever else the agent has to say."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.since = time.monotonic()
-        self._next_line = self.since
-
-    def failed(self, exc: OSError, deadline: float) -> None:
-        now = time.monotonic()
-        if now < self._next_line:
-            return
-        self._next_line = now + OUTAGE_REMINDER_S
-        log.warning("%s: %s; retrying (for %.0f s so far, %.0f s left of join_timeout)",
-                    self.what, exc, now - self.since, max(0.0, deadline - now))
-
-    def over(self) -> None:
-        log.warning("%s: etcd answered again after %.1f s", self.what, time.monotonic() - self.since)
 
 
 class _Closing:
@@ -403,7 +379,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         self._joining_since = time.monotonic()
         deadline = self._joining_since + self.conf["join_timeout"]
-        outage: _Outage | None = None  # etcd unreachable since: a line per outage, not per retry
+        outage: Outage | None = None  # etcd unreachable since: a line per outage, not per retry
         while True:
             if self._shut_down:
                 raise RendezvousClosedError(f"the rendezvous handler of {self.node} for run {self.run_id!r} "
@@ -422,8 +398,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             except EtcdSecurityError:  # TLS or credentials: retrying cannot fix a configuration
                 raise
             except OSError as exc:   # etcd unreachable for now: wait and try again
-                outage = outage or _Outage(f"rendezvous for {self.run_id}")
-                outage.failed(exc, deadline)
+                outage = outage or Outage(f"rendezvous for {self.run_id}", OUTAGE_REMINDER_S)
+                outage.failed(exc, f"{max(0.0, deadline - time.monotonic()):.0f} s left of join_timeout")
                 time.sleep(0.5)
                 continue
             except Etcd3Exception as exc:
