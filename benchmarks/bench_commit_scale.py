@@ -18,8 +18,11 @@ state's tree; with ``--rng-in``, its generator states too, each rank
 seeded differently: in its data file (``file``, what resilient writes) or in the manifest
 (``manifest``, where format 2 kept them).
 
-Figures per size, medians over ``--saves`` saves, every rank starting its part at one
-instant: **commit** (from then until the last rank knows the outcome), **CPU per node** (the
+Figures per size, medians over the saves after the first (a job's first save sends every
+report whole; after it, each rank leaves out what rank 0 holds from the save before, its
+tensors, tree and boxes: ``resilient/_report_memo.py``; the first save's figures are kept
+apart, and ``--whole`` sends every report whole at every save, as before), every rank
+starting its part at one instant: **commit** (from then until the last rank knows the outcome), **CPU per node** (the
 CPU the simulated ranks' processes used over a save, divided by the nodes: what a node of a
 real job spends, since here all nodes share this machine's cores and the commit time is
 inflated by their taking turns), **a rank's commit CPU** (its thread's own CPU time in
@@ -66,6 +69,7 @@ class Case:
     tensors: int
     indices: list[int]
     rng_in: str = "none"
+    whole: bool = False  # every report sent whole at every save, as before _report_memo
 
 
 def rng_state(rank: int, distinct: bool) -> dict[str, Any]:
@@ -128,6 +132,7 @@ def serve(conn: Any, case: Case) -> None:
 
     from resilient._commit import commit_together
     from resilient._coord import StoreCoordinator
+    from resilient._report_memo import HeldPieces, SentPieces
 
     world = case.nodes * case.per_node
     leaders = list(range(0, world, case.per_node))
@@ -143,6 +148,9 @@ def serve(conn: Any, case: Case) -> None:
     except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
         conn.send(("error", f"rank {len(coords)} of {len(case.indices)} in one process: {type(exc).__name__}: {exc}"))
         return
+    # kept across saves, as each rank's writer keeps them
+    memos = {r: (None, None) if case.whole else (SentPieces(), HeldPieces() if r == 0 else None)
+             for r in case.indices}
     conn.send(("ready", None))
     manifest_bytes: dict[int, int] = {}
 
@@ -157,7 +165,7 @@ def serve(conn: Any, case: Case) -> None:
             manifest_bytes[r] = len(manifest)
 
         commit_together(coords[r], seq, seq, reports[r], codec="none", timeout=TIMEOUT_S, commit=commit,
-                        discard=lambda: None, mark=lambda phase: None)
+                        discard=lambda: None, mark=lambda phase: None, sent=memos[r][0], held=memos[r][1])
         return time.time(), time.thread_time() - cpu
 
     with ThreadPoolExecutor(max_workers=len(case.indices)) as pool:
@@ -179,20 +187,22 @@ def serve(conn: Any, case: Case) -> None:
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rng_in: str = "none") -> dict[str, Any]:
+def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rng_in: str = "none",
+             whole: bool = False) -> dict[str, Any]:
     from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
     world = nodes * per_node
     result: dict[str, Any] = {"nodes": nodes, "ranks_per_node": per_node, "ranks": world, "tensors": tensors,
-                              "rng_in": rng_in}
+                              "rng_in": rng_in, "reports": "whole" if whole else "changes"}
     ctx = mp.get_context("spawn")
     pipes, children = [], []
     try:
         for p in range(min(procs, world)):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=serve, args=(child, Case(server.port, nodes, per_node, tensors,
-                                                               list(range(p, world, procs)), rng_in)), daemon=True)
+                                                               list(range(p, world, procs)), rng_in, whole)),
+                              daemon=True)
             proc.start()
             pipes.append(parent)
             children.append(proc)
@@ -200,10 +210,10 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rn
             kind, detail = pipe.recv()
             if kind == "error":
                 raise RuntimeError(detail)
-        seconds, ranks_cpu, manifest = [], [], 0
+        seconds, ranks_cpu, host_cpu, manifest = [], [], [], 0
         threads: dict[str, list[float]] = {"rank0": [], "leader": [], "other": []}
-        cpu = process_cpu_s()
         for seq in range(1, saves + 1):
+            cpu = process_cpu_s()
             start = time.time() + 0.5
             for pipe in pipes:
                 pipe.send(("save", (seq, start)))
@@ -216,10 +226,18 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rn
             ranks_cpu.append(sum(used for _, (_, _, used, _) in answers))
             for role in threads:
                 threads[role].append(max(t[role] for _, (_, _, _, t) in answers))
-        result.update(commit_s=round(statistics.median(seconds), 3), commit_samples_s=[round(s, 3) for s in seconds],
-                      store_host_cpu_s_per_save=round((process_cpu_s() - cpu) / saves, 3),
-                      cpu_ms_per_node_per_save=round(statistics.median(ranks_cpu) / nodes * 1e3, 1),
-                      thread_cpu_ms={role: round(statistics.median(v) * 1e3, 1) for role, v in threads.items()},
+            host_cpu.append(process_cpu_s() - cpu)  # the store's thread: the driver sleeps meanwhile
+
+        def figures(at: slice) -> dict[str, Any]:
+            return {"commit_s": round(statistics.median(seconds[at]), 3),
+                    "store_host_cpu_s_per_save": round(statistics.median(host_cpu[at]), 3),
+                    "cpu_ms_per_node_per_save": round(statistics.median(ranks_cpu[at]) / nodes * 1e3, 1),
+                    "thread_cpu_ms": {role: round(statistics.median(v[at]) * 1e3, 1) for role, v in threads.items()}}
+
+        # the first save sends every report whole; the figures are those of the saves after
+        # it (of all, with --whole), and the first's are kept beside them
+        later = slice(1, None) if saves > 1 and not whole else slice(None)
+        result.update(figures(later), first_save=figures(slice(0, 1)), commit_samples_s=[round(s, 3) for s in seconds],
                       manifest_mb=round(manifest / 1e6, 2))
         return result
     finally:
@@ -237,17 +255,27 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rn
         del server
 
 
+def first_save(result: dict[str, Any]) -> str:
+    """The first save's cell: its commit, rank 0's and the store host's CPU (a blank for a
+    run that sent every report whole, or that predates the split)."""
+    first = result.get("first_save")
+    if not first or result.get("reports") == "whole":
+        return "–"
+    return (f"{first['commit_s']:.3f} s, {first['thread_cpu_ms']['rank0']:.0f} ms / "
+            f"{first['store_host_cpu_s_per_save']:.3f} s")
+
+
 def render(results: list[dict[str, Any]]) -> str:
     lines = ["| nodes x ranks | commit of a save (median) | CPU per node per save (its ranks' processes) "
              "| a rank's commit CPU: rank 0 / another leader / any other rank "
-             "| store host CPU per save | manifest per leader |",
-             "|---|---|---|---|---|---|"]
+             "| store host CPU per save | manifest per leader | first save: commit, rank 0 / store host CPU |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["ranks"]):
         cpu = r.get("thread_cpu_ms")
         cells = ([f"{r['commit_s']:.3f} s", f"{r['cpu_ms_per_node_per_save']:.0f} ms",
                   f"{cpu['rank0']:.0f} / {cpu['leader']:.0f} / {cpu['other']:.0f} ms" if cpu else "–",
-                  f"{r['store_host_cpu_s_per_save']:.3f} s", f"{r['manifest_mb']:.1f} MB"]
-                 if "commit_s" in r else [r.get("error", "?")[:80], "", "", "", ""])
+                  f"{r['store_host_cpu_s_per_save']:.3f} s", f"{r['manifest_mb']:.1f} MB", first_save(r)]
+                 if "commit_s" in r else [r.get("error", "?")[:80], "", "", "", "", ""])
         lines.append(f"| {r['nodes']} x {r['ranks_per_node']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -262,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--procs", type=int, default=8)
     p.add_argument("--rng-in", choices=("none", "file", "manifest"), default="none",
                    help="each rank's generator states (seeded differently): none, in its data file, in the manifest")
+    p.add_argument("--whole", action="store_true",
+                   help="every rank sends its report whole at every save (as before resilient/_report_memo.py)")
     add_run_options(p)
     args = p.parse_args(argv)
     if rendered_or_moved(args, render, "benchmarks.bench_commit_scale", argv):
@@ -271,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for nodes in (int(x) for x in args.nodes.split(",") if x):
             try:
-                result = run_case(nodes, args.ranks_per_node, args.tensors, args.saves, args.procs, args.rng_in)
+                result = run_case(nodes, args.ranks_per_node, args.tensors, args.saves, args.procs, args.rng_in,
+                                  args.whole)
             except Exception as exc:  # noqa: BLE001 - a size this machine cannot hold
                 result = {"nodes": nodes, "ranks_per_node": args.ranks_per_node,
                           "ranks": nodes * args.ranks_per_node, "error": f"{type(exc).__name__}: {exc}"}

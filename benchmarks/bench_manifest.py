@@ -15,7 +15,11 @@ seeds each rank's generators differently (the larger manifest), ``same`` seeds t
 rank's data file, ``manifest`` where format 2 did. Measured in this process, CPU time, median of
 ``--repeats``: **encode** (one rank's ``encode_report``: its report encoded and deflated),
 **assemble** (rank 0's ``published_manifest``: every report inflated, the manifest assembled
-and deflated), the **manifest** (bytes each node's disk holds, and deflated, what the store
+and deflated), at a job's first save, when every report comes whole, and at every save
+after it, when each rank leaves out what rank 0 holds from the save before: its tensors,
+tree and boxes (``resilient/_report_memo.py``; the two manifests are checked alike but for
+their step; the JSON also has the figures for trees holding a value that changes at every
+save, ``*_again_tree_*``: those trees are sent again), the **manifest** (bytes each node's disk holds, and deflated, what the store
 sends to each leader), **decode** (``decode_manifest``: parse and
 validate, on every restoring rank) and **plan** (one restoring rank finding, for each of its
 tensors, the saved boxes its shard meets: what ``_restore._fill`` does before it reads).
@@ -36,6 +40,7 @@ from benchmarks.bench_commit_scale import fsdp_report, rng_state, as_sent
 from benchmarks.bench_scale import add_run_options, rendered_or_moved
 from resilient._commit import encode_report, published_manifest, received_manifest
 from resilient._format import decode_manifest
+from resilient._report_memo import HeldPieces, SentPieces
 from resilient._layout import Box, intersect
 from resilient._restore import _along_first_dim
 
@@ -50,6 +55,12 @@ def cpu_s(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
         out = fn()
         samples.append(time.process_time() - start)
     return statistics.median(samples), out
+
+
+def same_but_step(first: bytes, later: bytes) -> bool:
+    """Two saves' manifests alike but for their step and the time they were made."""
+    a, b = json.loads(first), json.loads(later)
+    return {**a, "step": 0, "created": 0} == {**b, "step": 0, "created": 0}
 
 
 def plan(manifest: dict[str, Any], rank: int, world: int, tp: int = 1) -> int:
@@ -90,33 +101,54 @@ def run_case(world: int, tensors: int, distinct: bool, repeats: int, tp: int = 1
             report = with_tensor_parallel(report, world, tp)
         reports.append(as_sent(report, rng_state(r, distinct), rng_in))
     encode_s, _ = cpu_s(lambda: encode_report(reports[world // 2]), repeats)
-    raws = [encode_report(r) for r in reports]  # what each rank sends rank 0: encoded, deflated
+    # what each rank sends rank 0 at a job's first save: encoded, deflated, whole
+    sent, held = [SentPieces() for _ in range(world)], HeldPieces()
+    raws = [encode_report(r, s) for r, s in zip(reports, sent)]
     report_kb = len(raws[world // 2]) / 1e3
-    del reports
-    assemble, outcome = cpu_s(lambda: published_manifest(7, raws, "none"), repeats)
-    del raws
+    assemble, outcome = cpu_s(lambda: published_manifest(7, raws, "none", held), repeats)
+    for memo in (held, *sent):  # save 7 committed everywhere
+        memo.settled(True)
+    # every save after it: the same tensors, tree and boxes, left out (the file's record,
+    # which does change, is sent as at the first)
+    raws = [encode_report(r, s) for r, s in zip(reports, sent)]
+    again_kb = len(raws[world // 2]) / 1e3
+    assemble_again, again = cpu_s(lambda: published_manifest(8, raws, "none", held), repeats)
+    # the same, but every rank's tree holds a value that changes at every save (a step
+    # counter, a scheduler's state): the tree is sent whole again
+    for report in reports:
+        report["tree"]["items"].append(["step", {"t": "v", "v": 8}])
+    raws = [encode_report(r, s) for r, s in zip(reports, sent)]
+    tree_kb = len(raws[world // 2]) / 1e3
+    assemble_tree, _ = cpu_s(lambda: published_manifest(8, raws, "none", held), repeats)
+    del raws, held, reports, sent
     manifest, deflated = received_manifest(outcome), len(outcome) - 1
+    assert same_but_step(manifest, received_manifest(again)), "the manifest of a save sent in part differs"
     decode, decoded = cpu_s(lambda: decode_manifest(manifest, "bench"), repeats)
     planned, met = cpu_s(lambda: plan(decoded, world // 2, world, tp), repeats)
     assert met == 3 * tensors, f"rank {world // 2} met {met} saved boxes, expected {3 * tensors}"
     return {"ranks": world, "tp": tp, "tensors": 3 * tensors, "rng": "distinct" if distinct else "same",
-            "rng_in": rng_in, "report_kb": round(report_kb, 1),
+            "rng_in": rng_in, "report_kb": round(report_kb, 1), "report_again_kb": round(again_kb, 2),
             "encode_ms": round(encode_s * 1e3, 2), "assemble_s": round(assemble, 3),
+            "assemble_again_s": round(assemble_again, 3),
+            "report_again_tree_kb": round(tree_kb, 2), "assemble_again_tree_s": round(assemble_tree, 3),
             "manifest_mb": round(len(manifest) / 1e6, 2), "deflated_mb": round(deflated / 1e6, 2),
             "decode_s": round(decode, 3), "plan_s": round(planned, 4)}
 
 
 def render(results: list[dict[str, Any]]) -> str:
-    lines = ["| ranks | manifest (deflated) | rank 0: assemble | every restoring rank: decode + plan |"
-             " a rank: encode its report (its size, deflated) |",
+    lines = ["| ranks | manifest (deflated) | rank 0: assemble, first save / every save after | every restoring rank:"
+             " decode + plan | a rank: encode its report (its size, deflated: first save / after) |",
              "|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["ranks"]):
         if "error" in r:
             lines.append(f"| {r['ranks']} | {r['error'][:80]} | | | |")
             continue
+        again = f" / {r['assemble_again_s']:.3f} s" if "assemble_again_s" in r else ""
+        size = f"{r['report_kb']:.1f} kB" if "report_kb" in r else ""
+        size += f" / {r['report_again_kb']:.2f} kB" if "report_again_kb" in r else ""
         lines.append(f"| {r['ranks']} | {r['manifest_mb']:.2f} MB ({r['deflated_mb']:.2f} MB) | "
-                     f"{r['assemble_s']:.3f} s | {r['decode_s']:.3f} + {r['plan_s']:.3f} s | "
-                     f"{r['encode_ms']:.1f} ms" + (f" ({r['report_kb']:.1f} kB)" if "report_kb" in r else "") + " |")
+                     f"{r['assemble_s']:.3f} s{again} | {r['decode_s']:.3f} + {r['plan_s']:.3f} s | "
+                     f"{r['encode_ms']:.1f} ms" + (f" ({size})" if size else "") + " |")
     return "\n".join(lines)
 
 

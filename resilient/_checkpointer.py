@@ -506,7 +506,7 @@ class Checkpointer:
         took = round((handle.committed_at or 0.0) - handle.started, 6)
         if handle.committed:
             self._events.emit("save_committed", step=handle.step, tier="local", seconds=took, bytes=handle.nbytes,
-                              phases=handle.phases)
+                              phases=handle.phases, report_bytes=handle.report_bytes)
         else:
             self._events.emit("save_failed", step=handle.step, seconds=took, error=str(handle._error))
 

@@ -40,6 +40,7 @@ from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import FORMAT, VERSION
 from ._names import data_file_name
+from ._report_memo import KEPT_PIECES, HeldPieces, SentPieces
 
 __all__ = ["assemble_manifest", "commit_together", "encode_report", "published_manifest", "received_manifest"]
 
@@ -62,29 +63,42 @@ def commit_together(
     commit: Callable[[bytes], None],
     discard: Callable[[], None],
     mark: Callable[[str], None],
-) -> None:
+    sent: SentPieces | None = None,
+    held: HeldPieces | None = None,
+) -> int:
     """This rank's part in committing save ``seq`` (of ``step``); raises ``CommitError``
     naming the ranks at fault unless every leader committed. ``commit(manifest)`` and
     ``discard()`` act on this leader's storage; ``mark(phase)`` records when a phase ended.
     ``timeout``: how long rank 0 waits for the reports, and then for the leaders; the other
-    waits are longer by as much as they nest around those (``_GRACE_S``)."""
+    waits are longer by as much as they nest around those (``_GRACE_S``). ``sent`` and, on
+    rank 0, ``held``: the same objects save after save, so that a rank sends again only the
+    pieces of its report that changed (``_report_memo``). Returns the bytes this rank sent
+    rank 0 (its report, as it travelled)."""
     first, grace = coord.leaders[0], min(timeout, _GRACE_S)
-    coord.publish(f"{seq}/report/{coord.rank}", encode_report(report))
-    if coord.rank == first:
-        _assemble(coord, seq, step, codec, timeout, mark)
-    if coord.is_leader:
-        _commit_as_leader(coord, seq, step, timeout + grace, commit, discard, mark)
-    if coord.rank == first:
-        _settle(coord, seq, step, timeout)
-    raw = _collect(coord, step, [f"{seq}/settled"], "the commit", 2 * timeout + grace)[0]
-    coord.forget(f"{seq}/report/{coord.rank}")
-    failures = _failures(raw)
-    if failures:
-        raise CommitError(step, failures)
+    committed = False
+    try:
+        encoded = encode_report(report, sent)
+        coord.publish(f"{seq}/report/{coord.rank}", encoded)
+        if coord.rank == first:
+            _assemble(coord, seq, step, codec, timeout, mark, held)
+        if coord.is_leader:
+            _commit_as_leader(coord, seq, step, timeout + grace, commit, discard, mark)
+        if coord.rank == first:
+            _settle(coord, seq, step, timeout, held)
+        raw = _collect(coord, step, [f"{seq}/settled"], "the commit", 2 * timeout + grace)[0]
+        coord.forget(f"{seq}/report/{coord.rank}")
+        failures = _failures(raw)
+        if failures:
+            raise CommitError(step, failures)
+        committed = True
+    finally:
+        if sent is not None:
+            sent.settled(committed)
+    return len(encoded)
 
 
 def _assemble(coord: Coordinator, seq: int, step: int, codec: str, timeout: float,
-              mark: Callable[[str], None]) -> None:
+              mark: Callable[[str], None], held: HeldPieces | None) -> None:
     """Hop 2: the manifest (``M`` + its bytes, deflated) or the failures (``F`` + JSON),
     published once. Deflated, reports and manifest are several times smaller: the store's
     one thread sends the manifest to every leader."""
@@ -92,7 +106,7 @@ def _assemble(coord: Coordinator, seq: int, step: int, codec: str, timeout: floa
         raws = _collect(coord, step, [f"{seq}/report/{r}" for r in range(coord.world_size)],
                         "every rank's files", timeout, "its report")
         mark("reports")
-        outcome = published_manifest(step, raws, codec)
+        outcome = published_manifest(step, raws, codec, held)
     except CommitError as exc:
         outcome = b"F" + json.dumps({"failures": exc.failures}).encode()
     except Exception as exc:
@@ -103,11 +117,11 @@ def _assemble(coord: Coordinator, seq: int, step: int, codec: str, timeout: floa
         coord.forget(key)
 
 
-def published_manifest(step: int, sent: list[bytes], codec: str) -> bytes:
+def published_manifest(step: int, sent: list[bytes], codec: str, held: HeldPieces | None = None) -> bytes:
     """Rank 0's work on every rank's report as it came (``encode_report``): the manifest as
     it travels to every leader, ``M`` + its bytes, deflated; ``CommitError`` as
     ``assemble_manifest`` raises it."""
-    return b"M" + _deflate.compress(assemble_manifest(step, sent, codec), 1)
+    return b"M" + _deflate.compress(assemble_manifest(step, sent, codec, held), 1)
 
 
 def received_manifest(outcome: bytes) -> bytes:
@@ -137,16 +151,24 @@ def _commit_as_leader(coord: Coordinator, seq: int, step: int, timeout: float,
     coord.forget(f"{seq - 1}/outcome/{coord.rank}")
 
 
-def _settle(coord: Coordinator, seq: int, step: int, timeout: float) -> None:
-    """Hop 4: every leader's outcome, merged into the one answer every rank takes."""
+def _settle(coord: Coordinator, seq: int, step: int, timeout: float, held: HeldPieces | None) -> None:
+    """Hop 4: every leader's outcome, merged into the one answer every rank takes. What rank
+    0 holds of the reports follows what it publishes, as every rank's own memo follows
+    what it reads."""
     failures: dict[str, str] = {}
+    published = False
     try:
         for raw in _collect(coord, step, [f"{seq}/outcome/{r}" for r in coord.leaders], "the leaders' commits",
                             timeout, "its commit on its storage"):
             failures.update(json.loads(raw)["failures"])
     except CommitError as exc:
         failures.update({str(k): v for k, v in exc.failures.items()})
-    coord.publish(f"{seq}/settled", json.dumps({"failures": failures}).encode())
+    try:
+        coord.publish(f"{seq}/settled", json.dumps({"failures": failures}).encode())
+        published = True
+    finally:
+        if held is not None:
+            held.settled(published and not failures)
 
 
 def _failures(raw: bytes) -> dict[int, str]:
@@ -174,10 +196,13 @@ def _collect(coord: Coordinator, step: int, keys: list[str], what: str, timeout:
         }) from exc
 
 
-def encode_report(report: dict[str, Any]) -> bytes:
+def encode_report(report: dict[str, Any], sent: SentPieces | None = None) -> bytes:
     """A rank's report as it travels to rank 0: a small JSON header line, then the pieces of
     the manifest this rank contributes, already encoded, each deflated on its own (the header
-    gives their lengths), and its sharded boxes as int64 rows (``_box_runs.box_rows``).
+    gives their lengths): its sharded boxes as int64 rows (``_box_runs.box_rows``), its parts
+    of replicated tensors as ``[name, start, length, offset]`` rows. With
+    ``sent``, a piece rank 0 holds already from this rank's last committed save is left out,
+    named by its digest under ``kept`` (``_report_memo``).
 
     Why not one JSON document: rank 0 would parse every rank's report and encode the whole
     manifest again, in Python, holding the interpreter lock beside its own training thread:
@@ -194,12 +219,27 @@ def encode_report(report: dict[str, Any]) -> bytes:
     ndim = max((len(m["shape"]) for m in report["meta"].values()), default=0)
     written = report["record"]  # None: a rank with nothing of its own to write has no file
     record = None if written is None else {k: written[k] for k in ("bytes", "logical", "footer")}
-    pieces = [_deflate.compress(p, 1) for p in (_json(report["meta"]), _json(record), _json(report["tree"]),
-                                                _json(report["rng"]), box_rows(report["shards"], names, ndim).tobytes())]
+    pieces = dict(zip(_PIECES, (_deflate.compress(p, 1) for p in (
+        _json(report["meta"]), _json(record), _json(report["tree"]), _json(report["rng"]),
+        box_rows(report["shards"], names, ndim).tobytes(), _json(report["replicated"])))))
+    named: dict[str, dict[str, str]] = {"kept": {}, "digests": {}}  # pieces left out, pieces sent whole
+    if sent is not None:
+        for kind in KEPT_PIECES:
+            left_out, named_as = sent.left_out(kind, pieces[kind])
+            named["kept" if left_out else "digests"][kind] = named_as
+            if left_out:
+                pieces[kind] = b""
     header = {"rank": report["rank"], "signature": report["signature"], "file": report["file"],
-              "replicated": report["replicated"], "ndim": ndim, "chunk_bytes": report["chunk_bytes"],
-              "sizes": [len(p) for p in pieces]}
-    return _json(header) + b"\n" + b"".join(pieces)
+              "ndim": ndim, "chunk_bytes": report["chunk_bytes"],
+              "sizes": [len(p) for p in pieces.values()], **{k: v for k, v in named.items() if v}}
+    return _json(header) + b"\n" + b"".join(pieces.values())
+
+
+#: A report's pieces after its header, in this order (``_Report``'s fields).
+_PIECES = ("meta", "record", "tree", "rng", "rows", "replicated")
+#: The ``replicated`` piece of a rank holding no part of a replicated tensor (every FSDP
+#: rank), as deflate gives it: told apart without inflating it.
+_NONE_REPLICATED = _deflate.compress(b"[]", 1)
 
 
 @dataclass
@@ -213,6 +253,7 @@ class _Report:
     tree: bytes = b""
     rng: bytes = b""
     rows: bytes = b""
+    replicated: bytes = b""
 
     @classmethod
     def parse(cls, raw: bytes) -> "_Report":
@@ -226,6 +267,13 @@ class _Report:
             at += size
         return cls(header, *pieces)
 
+    def fill_in(self, held: HeldPieces | None) -> None:
+        """The pieces this rank left out, from what rank 0 holds; ``ValueError`` if it does not."""
+        for kind, named in self.header.get("kept", {}).items():
+            if held is None:
+                raise ValueError(f"its report leaves out its {kind}, and rank 0 holds no earlier report")
+            setattr(self, kind, held.resolve(self.header["rank"], kind, named))
+
     def box_rows(self) -> tuple[np.ndarray, int]:
         """Its boxes' rows, and the rank whose file holds them."""
         rows = np.frombuffer(_deflate.decompress(self.rows), dtype="<i8").reshape(-1, 2 * self.header["ndim"] + 4)
@@ -235,11 +283,19 @@ class _Report:
         return rows, -1 if rank is None else rank
 
 
-def assemble_manifest(step: int, raws: list[bytes], codec: str) -> bytes:
+def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces | None = None) -> bytes:
     """Every rank's encoded report joined into the encoded manifest; ``CommitError`` naming
-    the ranks that failed, or the first whose state differs from rank 0's."""
+    the ranks that failed, or the first whose state differs from rank 0's. ``held``: what
+    rank 0 kept of the last committed save's reports, for the pieces ranks left out; it is
+    told what this manifest was made of."""
     reports = [_Report.parse(raw) for raw in raws]
     failures = {r.header["rank"]: r.header["error"] for r in reports if "error" in r.header}
+    for r in reports:
+        if r.header["rank"] not in failures:
+            try:
+                r.fill_in(held)
+            except ValueError as exc:
+                failures[r.header["rank"]] = str(exc)
     if failures:
         raise CommitError(step, failures)
     first = reports[0]
@@ -253,11 +309,14 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str) -> bytes:
                 {r.header["rank"]: f"its state differs from rank {first.header['rank']}'s at {keys[:5]} "
                  "(every rank must save the same names, shapes and dtypes)"},
             )
+    unchanged = all({"meta", "rows"} <= r.header.get("kept", {}).keys() for r in reports)
+    sharded = (held.boxes_if_unchanged(unchanged) if held is not None else None) or _sharded_boxes(first_meta, reports)
+    boxes = dict(sharded)
     replicated: dict[str, list[list[Any]]] = {}
     for r in reports:
-        for name, start, length, offset in r.header["replicated"]:
+        for name, start, length, offset in ([] if r.replicated == _NONE_REPLICATED
+                                            else json.loads(_deflate.decompress(r.replicated))):
             replicated.setdefault(name, []).append([start, r.header["file"], offset, length])
-    boxes = _sharded_boxes(first_meta, reports)
     for name, meta in first_meta.items():
         if meta["layout"] == "replicated" and "same_as" not in meta:
             parts = sorted(replicated.get(name, []), key=lambda p: p[0])
@@ -272,6 +331,10 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str) -> bytes:
     trees, rngs = _Distinct(), _Distinct()  # trees told apart deflated, inflated once each
     ranks = b"[" + b",".join(b"[%d,%s]" % (trees.index(r.tree), _rank_rng(_deflate.decompress(r.rng), rngs))
                              for r in reports) + b"]"
+    if held is not None:
+        held.propose({r.header["rank"]: {kind: getattr(r, kind) for kind in KEPT_PIECES} for r in reports},
+                     {r.header["rank"]: {**r.header.get("digests", {}), **r.header.get("kept", {})} for r in reports},
+                     sharded)
     head = _json({"format": FORMAT, "version": VERSION, "step": step, "world_size": len(reports),
                   "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec,
                   "chunk_bytes": first.header["chunk_bytes"]})

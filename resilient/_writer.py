@@ -34,6 +34,7 @@ from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import data_file_name
 from ._local import LocalTier
+from ._report_memo import HeldPieces, SentPieces
 from ._rng import encode_rng
 from ._fence import SnapshotDone
 from ._snapshot import RankPlan
@@ -53,6 +54,9 @@ class SaveHandle:
         self.committed_at: float | None = None
         self.nbytes = 0
         self.deferred_bytes = 0  # of nbytes, copied after save returned (overlapped staging)
+        # what this rank's report to rank 0 weighed, as it travelled through the store (set
+        # once the save committed): after a job's first save, only what changed since the last
+        self.report_bytes = 0
         # seconds from the call to the end of each background phase ("copied": the copy made
         # inside save, "written", on rank 0 "reports", and on a leader "manifest"): which part of a
         # slow save was slow. A copy that runs on after save (overlapped staging, a GPU) is
@@ -124,6 +128,9 @@ class BackgroundWriter:
         self.chunk_bytes = chunk_bytes
         self.commit_timeout = commit_timeout
         self.after_commit = after_commit
+        # what rank 0 holds of this rank's report, and on rank 0 what it holds of everyone's:
+        # a rank sends again only what changed since the last committed save
+        self._sent, self._held = SentPieces(), (HeldPieces() if coord.rank == coord.leaders[0] else None)
         self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
         # CRC32 (ISA-L's) runs at 16-21 GB/s on one core, far faster than the disks we write
         # to: one thread keeps up and leaves the other cores to training; zstd needs two.
@@ -221,5 +228,7 @@ class BackgroundWriter:
                 self.authorize(job.step)
             self.tier.commit(pending, job.step, manifest)
 
-        commit_together(self.coord, job.seq, job.step, report, codec=self.codec, timeout=self.commit_timeout,
-                        commit=commit, discard=lambda: self.tier.discard(pending), mark=job.handle._mark)
+        job.handle.report_bytes = commit_together(
+            self.coord, job.seq, job.step, report, codec=self.codec, timeout=self.commit_timeout,
+            commit=commit, discard=lambda: self.tier.discard(pending), mark=job.handle._mark,
+            sent=self._sent, held=self._held)

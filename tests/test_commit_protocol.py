@@ -59,9 +59,11 @@ def report(rank, world, chunks=2, signature="same", note=""):
             "tree": {"t": "dict", "items": items}, "rng": None}
 
 
-def run_save(coords, seq, tmp_path, *, reports=None, skip=(), failing=(), timeout=20.0):
+def run_save(coords, seq, tmp_path, *, reports=None, skip=(), failing=(), timeout=20.0, memos=None):
     """Every rank but ``skip`` plays its part; leaders in ``failing`` fail to commit. Returns
-    each rank's outcome (None: committed; else the CommitError) and what each leader did."""
+    each rank's outcome (None: committed; else the CommitError) and what each leader did.
+    ``memos``: each rank's ``(SentPieces, HeldPieces or None)``, kept across saves as a
+    writer keeps them."""
     world = len(coords)
     done: dict[int, list[str]] = {}
     lock = threading.Lock()
@@ -79,8 +81,10 @@ def run_save(coords, seq, tmp_path, *, reports=None, skip=(), failing=(), timeou
                 done.setdefault(coord.rank, []).append("discarded")
 
         try:
+            sent, held = (memos or {}).get(coord.rank, (None, None))
             commit_together(coord, seq, seq, (reports or {}).get(coord.rank) or report(coord.rank, world),
-                            codec="none", timeout=timeout, commit=commit, discard=discard, mark=lambda phase: None)
+                            codec="none", timeout=timeout, commit=commit, discard=discard, mark=lambda phase: None,
+                            sent=sent, held=held)
             return None
         except CommitError as exc:
             return exc
