@@ -22,7 +22,8 @@ Figures per size, medians over the saves after the first (a job's first save sen
 report whole; after it, each rank leaves out what rank 0 holds from the save before, its
 tensors, tree and boxes: ``resilient/_report_memo.py``; the first save's figures are kept
 apart, and ``--whole`` sends every report whole at every save, as before), every rank
-starting its part at one instant: **commit** (from then until the last rank knows the outcome), **CPU per node** (the
+starting its part at one instant: **commit** (from then until the last rank knows the outcome), **reports** (what
+every rank's report weighed as it went through the store to rank 0), **CPU per node** (the
 CPU the simulated ranks' processes used over a save, divided by the nodes: what a node of a
 real job spends, since here all nodes share this machine's cores and the commit time is
 inflated by their taking turns), **a rank's commit CPU** (its thread's own CPU time in
@@ -154,7 +155,7 @@ def serve(conn: Any, case: Case) -> None:
     conn.send(("ready", None))
     manifest_bytes: dict[int, int] = {}
 
-    def one(r: int, seq: int, start_at: float) -> tuple[float, float]:
+    def one(r: int, seq: int, start_at: float) -> tuple[float, float, int]:
         time.sleep(max(0.0, start_at - time.time()))
         cpu = time.thread_time()
 
@@ -164,9 +165,9 @@ def serve(conn: Any, case: Case) -> None:
                 f.write(manifest)
             manifest_bytes[r] = len(manifest)
 
-        commit_together(coords[r], seq, seq, reports[r], codec="none", timeout=TIMEOUT_S, commit=commit,
-                        discard=lambda: None, mark=lambda phase: None, sent=memos[r][0], held=memos[r][1])
-        return time.time(), time.thread_time() - cpu
+        sent = commit_together(coords[r], seq, seq, reports[r], codec="none", timeout=TIMEOUT_S, commit=commit,
+                               discard=lambda: None, mark=lambda phase: None, sent=memos[r][0], held=memos[r][1])
+        return time.time(), time.thread_time() - cpu, sent
 
     with ThreadPoolExecutor(max_workers=len(case.indices)) as pool:
         while True:
@@ -178,11 +179,11 @@ def serve(conn: Any, case: Case) -> None:
             try:
                 cpu = process_cpu_s()
                 outcomes = dict(zip(case.indices, pool.map(lambda r: one(r, seq, start_at), case.indices)))
-                leads = [c for r, (_, c) in outcomes.items() if r and r % case.per_node == 0]
+                leads = [c for r, (_, c, _) in outcomes.items() if r and r % case.per_node == 0]
                 threads = {"rank0": outcomes[0][1] if 0 in outcomes else 0.0, "leader": max(leads, default=0.0),
-                           "other": max([c for r, (_, c) in outcomes.items() if r % case.per_node], default=0.0)}
-                conn.send(("done", (max(end for end, _ in outcomes.values()), max(manifest_bytes.values(), default=0),
-                                    process_cpu_s() - cpu, threads)))
+                           "other": max([c for r, (_, c, _) in outcomes.items() if r % case.per_node], default=0.0)}
+                conn.send(("done", (max(end for end, _, _ in outcomes.values()), max(manifest_bytes.values(), default=0),
+                                    process_cpu_s() - cpu, threads, sum(sent for _, _, sent in outcomes.values()))))
             except Exception as exc:  # noqa: BLE001
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -194,7 +195,7 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rn
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=TIMEOUT_S))
     world = nodes * per_node
     result: dict[str, Any] = {"nodes": nodes, "ranks_per_node": per_node, "ranks": world, "tensors": tensors,
-                              "rng_in": rng_in, "reports": "whole" if whole else "changes"}
+                              "rng_in": rng_in, "reports": "whole" if whole else "what changed"}
     ctx = mp.get_context("spawn")
     pipes, children = [], []
     try:
@@ -210,7 +211,7 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rn
             kind, detail = pipe.recv()
             if kind == "error":
                 raise RuntimeError(detail)
-        seconds, ranks_cpu, host_cpu, manifest = [], [], [], 0
+        seconds, ranks_cpu, host_cpu, reports_bytes, manifest = [], [], [], [], 0
         threads: dict[str, list[float]] = {"rank0": [], "leader": [], "other": []}
         for seq in range(1, saves + 1):
             cpu = process_cpu_s()
@@ -221,17 +222,19 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rn
             errors = [detail for kind, detail in answers if kind == "error"]
             if errors:
                 raise RuntimeError("; ".join(errors[:3]))
-            seconds.append(max(end for _, (end, _, _, _) in answers) - start)
-            manifest = max([manifest] + [size for _, (_, size, _, _) in answers])
-            ranks_cpu.append(sum(used for _, (_, _, used, _) in answers))
+            seconds.append(max(end for _, (end, *_) in answers) - start)
+            manifest = max([manifest] + [size for _, (_, size, *_) in answers])
+            ranks_cpu.append(sum(used for _, (_, _, used, _, _) in answers))
+            reports_bytes.append(sum(sent for _, (*_, sent) in answers))
             for role in threads:
-                threads[role].append(max(t[role] for _, (_, _, _, t) in answers))
+                threads[role].append(max(t[role] for _, (_, _, _, t, _) in answers))
             host_cpu.append(process_cpu_s() - cpu)  # the store's thread: the driver sleeps meanwhile
 
         def figures(at: slice) -> dict[str, Any]:
             return {"commit_s": round(statistics.median(seconds[at]), 3),
                     "store_host_cpu_s_per_save": round(statistics.median(host_cpu[at]), 3),
                     "cpu_ms_per_node_per_save": round(statistics.median(ranks_cpu[at]) / nodes * 1e3, 1),
+                    "reports_mb_per_save": round(statistics.median(reports_bytes[at]) / 1e6, 3),
                     "thread_cpu_ms": {role: round(statistics.median(v[at]) * 1e3, 1) for role, v in threads.items()}}
 
         # the first save sends every report whole; the figures are those of the saves after
@@ -261,21 +264,24 @@ def first_save(result: dict[str, Any]) -> str:
     first = result.get("first_save")
     if not first or result.get("reports") == "whole":
         return "–"
-    return (f"{first['commit_s']:.3f} s, {first['thread_cpu_ms']['rank0']:.0f} ms / "
+    sent = f"{first['reports_mb_per_save']:.2f} MB, " if "reports_mb_per_save" in first else ""
+    return (f"{sent}{first['commit_s']:.3f} s, {first['thread_cpu_ms']['rank0']:.0f} ms / "
             f"{first['store_host_cpu_s_per_save']:.3f} s")
 
 
 def render(results: list[dict[str, Any]]) -> str:
-    lines = ["| nodes x ranks | commit of a save (median) | CPU per node per save (its ranks' processes) "
+    lines = ["| nodes x ranks | reports | commit of a save (median) | CPU per node per save (its ranks' processes) "
              "| a rank's commit CPU: rank 0 / another leader / any other rank "
-             "| store host CPU per save | manifest per leader | first save: commit, rank 0 / store host CPU |",
-             "|---|---|---|---|---|---|---|"]
+             "| store host CPU per save | manifest per leader | first save: reports, commit, rank 0 / store host CPU |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: r["ranks"]):
         cpu = r.get("thread_cpu_ms")
-        cells = ([f"{r['commit_s']:.3f} s", f"{r['cpu_ms_per_node_per_save']:.0f} ms",
+        cells = ([r.get("reports", "whole"), f"{r['commit_s']:.3f} s", f"{r['cpu_ms_per_node_per_save']:.0f} ms",
                   f"{cpu['rank0']:.0f} / {cpu['leader']:.0f} / {cpu['other']:.0f} ms" if cpu else "–",
                   f"{r['store_host_cpu_s_per_save']:.3f} s", f"{r['manifest_mb']:.1f} MB", first_save(r)]
-                 if "commit_s" in r else [r.get("error", "?")[:80], "", "", "", "", ""])
+                 if "commit_s" in r else ["", r.get("error", "?")[:80], "", "", "", "", ""])
+        if "reports_mb_per_save" in r:
+            cells[0] += f", {r['reports_mb_per_save']:.2f} MB"
         lines.append(f"| {r['nodes']} x {r['ranks_per_node']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
