@@ -2,7 +2,8 @@
 
 One save, ``seq``, in four hops, each rank's part in ``commit_together``:
 
-1. every rank publishes its report (its file's record, what it holds, its tree);
+1. every rank publishes its report (its file's record, what it holds, its tree; after a
+   job's first save, only what changed since the last committed one: ``_report_memo``);
 2. the first leader (rank 0) collects every report, assembles the manifest and publishes it,
    encoded, once (or the failures, if a rank failed or the ranks disagree);
 3. every leader (one per storage location) takes that manifest, commits it on its tier as
