@@ -2,7 +2,7 @@
 at the last save that committed everywhere.
 
 Why: an FSDP rank's report is mostly its tensors' names and shapes, its tree and its boxes
-(5.4 of 5.5 kB deflated), a DDP rank's where in its file its parts of the replicated tensors
+(5.2 of 5.5 kB deflated), a DDP rank's where in its file its parts of the replicated tensors
 are, and none of them changes from one save to the next; only its file's record and where
 its generators' states are do. At 8,192 ranks that is 45 MB through
 the store to rank 0 at every save, and rank 0 finding the runs of 2.4 million boxes again,
@@ -20,8 +20,6 @@ naming the rank, and the one after it is sent whole: never a manifest made of st
 from __future__ import annotations
 
 import hashlib
-from typing import Any
-
 __all__ = ["KEPT_PIECES", "HeldPieces", "SentPieces"]
 
 #: The report's pieces that are the same save after save on a rank (``_commit.encode_report``
@@ -34,9 +32,13 @@ KEPT_PIECES = ("meta", "tree", "rows", "replicated")
 #: (each rank's boxes and parts differ, and are kept as they came).
 _ALIKE = ("meta", "tree")
 
+#: Each sharded tensor's boxes as ``_commit`` encodes them for the manifest, runs found.
+Boxes = dict[str, list[bytes]]
+
 
 def digest(piece: bytes) -> str:
-    """A piece's name in a report that leaves it out (rank 0 compares it, never hashes)."""
+    """A piece's name in a report that leaves it out: hashed by the rank that sends it,
+    compared by rank 0."""
     return hashlib.blake2b(piece, digest_size=12).hexdigest()
 
 
@@ -44,7 +46,7 @@ class SentPieces:
     """A rank's side: what rank 0 holds of its report since the last save that committed."""
 
     def __init__(self) -> None:
-        self._held: dict[str, tuple[bytes, str]] = {}  # piece -> (its bytes, its digest), as rank 0 holds them
+        self._held: dict[str, tuple[bytes, str]] = {}  # kind -> (its bytes, its digest), as rank 0 holds them
         self._sending: dict[str, tuple[bytes, str]] = {}
 
     def left_out(self, kind: str, piece: bytes) -> tuple[bool, str]:
@@ -70,8 +72,8 @@ class HeldPieces:
 
     def __init__(self) -> None:
         self._held: dict[int, dict[str, tuple[bytes, str]]] = {}
-        self._boxes: Any = None
-        self._holding: tuple[dict[int, dict[str, tuple[bytes, str]]], Any] | None = None
+        self._boxes: Boxes | None = None
+        self._holding: tuple[dict[int, dict[str, tuple[bytes, str]]], Boxes] | None = None
         self._interned: dict[bytes, bytes] = {}
 
     def resolve(self, rank: int, kind: str, named: str) -> bytes:
@@ -82,12 +84,12 @@ class HeldPieces:
                              "does not hold; the next save sends it whole")
         return held[0]
 
-    def boxes_if_unchanged(self, every_rank_kept_them: bool) -> Any:
+    def boxes_if_unchanged(self, every_rank_kept_them: bool) -> Boxes | None:
         """The boxes' runs of the last committed save, when every rank left out its rows
         and its metadata (so they are those rows' runs), else None."""
         return self._boxes if every_rank_kept_them else None
 
-    def propose(self, pieces: dict[int, dict[str, bytes]], named: dict[int, dict[str, str]], boxes: Any) -> None:
+    def propose(self, pieces: dict[int, dict[str, bytes]], named: dict[int, dict[str, str]], boxes: Boxes) -> None:
         """What this save's manifest was made of, which becomes the baseline if it commits.
         ``named``: the digests ranks gave for their pieces (hashed here only where a rank
         gave none)."""
