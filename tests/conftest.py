@@ -49,5 +49,8 @@ def cluster(tmp_path, etcd_server, request):
     from .nodes import Cluster
 
     c = Cluster(str(tmp_path), etcd_server.endpoint, run_id=f"{request.node.name}-{os.getpid()}")
+    # a resumed run trains 30 more steps: enough for what any test checks after a recovery
+    # (steps >= restored + 10), without the tail of a run sized to outlast its faults (5-10 s a test)
+    c.steps_after_resume = 30
     yield c
     c.close()

@@ -28,6 +28,9 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--events", required=True)
     p.add_argument("--log", default=None, help="an option torchrun's parser would mistake for its own")
+    p.add_argument("--steps-after-resume", type=int, default=0,
+                   help="a run that resumed from a checkpoint trains at most this many more steps (0: to --steps):"
+                        " what a test checks after a recovery, without the rest of a run sized to outlast it")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -48,7 +51,8 @@ def main() -> None:
                       state={"model": model, "optim": optim}) as ckpt:
         start = ckpt.restore()
         emit("start", restored=start, log=args.log)
-        for step in range(start, args.steps):
+        end = min(args.steps, start + args.steps_after_resume) if start and args.steps_after_resume else args.steps
+        for step in range(start, end):
             x = torch.randn(8, 16)
             loss = net(x).square().mean()
             optim.zero_grad()

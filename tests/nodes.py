@@ -126,6 +126,8 @@ class Cluster:
     run_id: str
     nnodes: str = "1:2"
     steps: int = 200
+    # a resumed run's steps (``elastic_train.py --steps-after-resume``; 0: to ``steps``)
+    steps_after_resume: int = 0
     every: int = 5
     step_time: float = 0.05
     launcher: list[str] = field(default_factory=lambda: [sys.executable, "-m", "resilient.launch.run"])
@@ -156,6 +158,7 @@ class Cluster:
                f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1",
                *(extra or []), self.script, "--events", self.events_path, *remote,
                "--steps", str(self.steps), "--every", str(self.every), "--step-time", str(self.step_time),
+               *(["--steps-after-resume", str(self.steps_after_resume)] if self.steps_after_resume else []),
                *(script_args or [])]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,

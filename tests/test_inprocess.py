@@ -51,6 +51,7 @@ def reference(tmp_path_factory) -> dict[int, str]:
 def in_process_cluster(cluster, *, nodes: int = 2, use_remote: bool = False):
     cluster.script = TRAIN_IN_PROCESS
     cluster.steps, cluster.every, cluster.step_time = STEPS, 5, 0.05
+    cluster.steps_after_resume = 0  # its workers recover in their processes: no resumed start to cut short
     cluster.use_remote = use_remote
     cluster.nnodes = f"1:{nodes}"
     return cluster

@@ -139,7 +139,8 @@ def test_local_recipe_runs_nodes_kills_one_and_prints_the_timeline(tmp_path):
         [sys.executable, os.path.join(REPO, "launchers", "local", "simulate.py"), "--nodes", "2", "--dir",
          str(tmp_path / "sim"), "--kill", "b@step:25", "--rdzv-conf", "lease_ttl=3", "--timeout", "100",
          "--", os.path.join(REPO, "tests", "elastic_train.py"), "--events", str(tmp_path / "train.jsonl"),
-         "--remote", f"file://{tmp_path / 'remote'}", "--steps", "160", "--every", "5", "--step-time", "0.05"],
+         "--remote", f"file://{tmp_path / 'remote'}", "--steps", "160", "--every", "5", "--step-time", "0.05",
+         "--steps-after-resume", "30"],
         capture_output=True, text=True, timeout=140, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "fault: kill node b" in out.stdout and "recovery: after step" in out.stdout
@@ -174,7 +175,8 @@ def test_local_recipe_partitions_a_node_for_real_in_its_own_network_namespace(tm
         [sys.executable, os.path.join(REPO, "launchers", "local", "simulate.py"), "--nodes", "2", "--netns",
          "--dir", str(tmp_path / "sim"), "--partition", "b@step:25", "--rdzv-conf", "lease_ttl=3", "--timeout", "100",
          "--", os.path.join(REPO, "tests", "elastic_train.py"), "--events", str(tmp_path / "train.jsonl"),
-         "--remote", f"file://{tmp_path / 'remote'}", "--steps", "210", "--every", "5", "--step-time", "0.05"],
+         "--remote", f"file://{tmp_path / 'remote'}", "--steps", "210", "--every", "5", "--step-time", "0.05",
+         "--steps-after-resume", "30"],
         capture_output=True, text=True, timeout=140, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "fault: partition node b" in out.stdout and "lost its etcd lease" in out.stdout
