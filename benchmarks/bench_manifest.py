@@ -19,8 +19,8 @@ and deflated), at a job's first save, when every report comes whole, and at ever
 after it, when each rank leaves out what rank 0 holds from the save before: its tensors,
 tree and boxes (``resilient/_report_memo.py``; the two manifests are checked alike but for
 their step; the JSON also has the figures for trees holding a value that changes at every
-save, ``*_again_tree_*``: those trees are sent again), the **manifest** (bytes each node's disk holds, and deflated, what the store
-sends to each leader), **decode** (``decode_manifest``: parse and
+save, ``*_again_tree_*``: those trees are sent again), the **manifest** (bytes each node's
+disk holds, and deflated, what the store sends to each leader), **decode** (``decode_manifest``: parse and
 validate, on every restoring rank) and **plan** (one restoring rank finding, for each of its
 tensors, the saved boxes its shard meets: what ``_restore._fill`` does before it reads).
 The last two are what every rank of a restore spends before the first byte is read; with

@@ -311,7 +311,7 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
                  "(every rank must save the same names, shapes and dtypes)"},
             )
     unchanged = all({"meta", "rows"} <= r.header.get("kept", {}).keys() for r in reports)
-    sharded = (held.boxes_if_unchanged(unchanged) if held is not None else None) or _sharded_boxes(first_meta, reports)
+    sharded = (held.boxes if held is not None and unchanged else None) or _sharded_boxes(first_meta, reports)
     boxes = dict(sharded)
     replicated: dict[str, list[list[Any]]] = {}
     for r in reports:

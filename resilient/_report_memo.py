@@ -84,10 +84,11 @@ class HeldPieces:
                              "does not hold; the next save sends it whole")
         return held[0]
 
-    def boxes_if_unchanged(self, every_rank_kept_them: bool) -> Boxes | None:
-        """The boxes' runs of the last committed save, when every rank left out its rows
-        and its metadata (so they are those rows' runs), else None."""
-        return self._boxes if every_rank_kept_them else None
+    @property
+    def boxes(self) -> Boxes | None:
+        """The boxes' runs of the last committed save: this save's too when every rank left
+        out its rows and its metadata."""
+        return self._boxes
 
     def propose(self, pieces: dict[int, dict[str, bytes]], named: dict[int, dict[str, str]], boxes: Boxes) -> None:
         """What this save's manifest was made of, which becomes the baseline if it commits.
