@@ -22,8 +22,9 @@ Figures per size, medians over the saves after the first (a job's first save sen
 report whole; after it, each rank leaves out what rank 0 holds from the save before, its
 tensors, tree and boxes: ``resilient/_report_memo.py``; the first save's figures are kept
 apart, and ``--whole`` sends every report whole at every save, as before), every rank
-starting its part at one instant: **commit** (from then until the last rank knows the outcome), **reports** (what
-every rank's report weighed as it went through the store to rank 0), **CPU per node** (the
+starting its part at one instant: **commit** (from then until the last rank knows the
+outcome), **reports** (what every rank's report weighed as it went through the store to
+rank 0), **CPU per node** (the
 CPU the simulated ranks' processes used over a save, divided by the nodes: what a node of a
 real job spends, since here all nodes share this machine's cores and the commit time is
 inflated by their taking turns), **a rank's commit CPU** (its thread's own CPU time in
@@ -259,8 +260,8 @@ def run_case(nodes: int, per_node: int, tensors: int, saves: int, procs: int, rn
 
 
 def first_save(result: dict[str, Any]) -> str:
-    """The first save's cell: its commit, rank 0's and the store host's CPU (a blank for a
-    run that sent every report whole, or that predates the split)."""
+    """The first save's cell: its reports' bytes, its commit, rank 0's and the store host's
+    CPU (a blank for a run that sent every report whole, or that predates the split)."""
     first = result.get("first_save")
     if not first or result.get("reports") == "whole":
         return "–"
