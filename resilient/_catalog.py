@@ -11,9 +11,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ._chunk_table import chunks_of, footer_bytes, pack_footer
 from ._chunkio import decode_chunk
@@ -22,6 +20,9 @@ from ._format import BAD_DIR, MANIFEST, decode_manifest, dtype_from_name, parse_
 from ._layout import Box
 from ._tree import build_value
 from ._storage import LocalStorage, Storage
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Entry", "Catalog", "spans"]
 
@@ -216,6 +217,8 @@ class Catalog:
 
     def read_tensor(self, manifest: dict, step: int, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The whole tensor ``name`` (every saved box placed), into ``out`` if given."""
+        import torch  # here: listing and verifying checkpoints (``resilient-ckpt``) need no torch
+
         meta = manifest["tensors"][name]
         dtype = dtype_from_name(meta["dtype"])
         full = out if out is not None else torch.empty(meta["shape"], dtype=dtype)

@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ._box_runs import SavedBoxes, canonical_rank, check_run
 from ._chunk_table import CODECS, FOOTER_ROW_BYTES, MAX_CHUNK_BYTES, unpack_tables
 from ._errors import CheckpointCorruptError
-from ._rng import MAX_RNG_BYTES
 from ._names import data_file_name, parse_data_file, parse_step_dir, step_dir_name
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FORMAT",
@@ -60,6 +61,7 @@ __all__ = [
     "data_file_name",
     "dtype_name",
     "dtype_from_name",
+    "dtype_itemsize",
     "encode_manifest",
     "decode_manifest",
 ]
@@ -70,8 +72,25 @@ READ_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
-_DTYPES = {
-    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+#: the most bytes a rank's encoded generator states (``_rng``) may take in its data file (a
+#: manifest asking to read more is refused before anything is read): 11 kB on a CPU, 16 more
+#: a CUDA device
+MAX_RNG_BYTES = 1 << 20
+
+#: every dtype a manifest may name, with its bytes per element. Written out rather than
+#: read from torch so that validating a manifest (``resilient-ckpt ls``, ``show``, ``verify``)
+#: does not import torch; ``tests/test_format_versions.py`` checks it against torch's own.
+DTYPE_ITEMSIZE = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2fnuz": 1, "float8_e4m3fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bits16": 2,
+    "uint1": 1, "uint2": 1, "uint3": 1, "uint4": 1, "uint5": 1, "uint6": 1, "uint7": 1,
+    "int1": 1, "int2": 1, "int3": 1, "int4": 1, "int5": 1, "int6": 1, "int7": 1,
 }
 
 
@@ -79,11 +98,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the dtype a manifest names (without importing torch)."""
     try:
-        return _DTYPES[name]
+        return DTYPE_ITEMSIZE[name]
     except KeyError:
         raise CheckpointCorruptError(f"unknown dtype {name!r} in manifest") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype_itemsize(name)  # refuses a name that is not a dtype before asking torch for it
+    import torch
+
+    return getattr(torch, name)
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
@@ -282,7 +309,7 @@ def _check_tensor(name: str, meta: Any, files: _Files, where: str) -> None:
         _fail(where, tw, "must be an object")
     if not isinstance(meta.get("dtype"), str):
         _fail(where, f"{tw}.dtype", "must be a string")
-    itemsize = dtype_from_name(meta["dtype"]).itemsize
+    itemsize = dtype_itemsize(meta["dtype"])
     shape = _ints(meta.get("shape"), where, f"{tw}.shape")
     if meta.get("layout") not in ("replicated", "sharded"):
         _fail(where, f"{tw}.layout", "must be 'replicated' or 'sharded'")

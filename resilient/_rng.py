@@ -22,14 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MAX_RNG_BYTES", "SavedRng", "apply_rng", "capture_rng", "decode_rng", "encode_rng", "parse_rng"]
+__all__ = ["SavedRng", "apply_rng", "capture_rng", "decode_rng", "encode_rng", "parse_rng"]
 
 
 _DEFLATED = "z:"  # a generator state saved deflated: torch's CPU state is 5 kB, half of it zeros
 _MAX_STATE_BYTES = 1 << 20
-#: the most bytes a rank's encoded states may take in its data file (a manifest asking to
-#: read more is refused before anything is read): 11 kB on a CPU, 16 more a CUDA device
-MAX_RNG_BYTES = 1 << 20
 
 
 def _b64(t: torch.Tensor) -> str:

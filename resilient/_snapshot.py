@@ -21,7 +21,7 @@ import torch
 from ._chunkio import crc32
 from ._errors import UnsupportedStateError
 from ._fence import CopyProgress, CopyThread, StagingFence, register
-from ._format import dtype_from_name, dtype_name
+from ._format import dtype_itemsize, dtype_name
 from ._hostmem import HostBuffer
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
@@ -237,7 +237,7 @@ def _assign_writers(descriptions: list[dict[str, list[list[Any]]]]) -> dict[tupl
         for name, offsets, sizes, dtype in d["sharded"]:
             key = (name, tuple(offsets), tuple(sizes))
             holders.setdefault(key, []).append(rank)
-            nbytes[key] = math.prod(sizes) * dtype_from_name(dtype).itemsize
+            nbytes[key] = math.prod(sizes) * dtype_itemsize(dtype)
     load = [0] * len(descriptions)
     writers: dict[tuple, int] = {}
     for key in sorted(holders, key=lambda k: (-nbytes[k], k)):

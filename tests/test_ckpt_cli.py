@@ -169,6 +169,7 @@ def test_export_memory_stays_bounded(tmp_path):
         ckpt.save(1, {f"w{i}": torch.randn(64 << 20 >> 2) for i in range(4)})  # 4 x 64 MiB
     script = f"""
 import threading, time, sys
+import torch  # before the baseline: torch's own memory is not the export's (the CLI loads it lazily)
 from resilient.ckpt import main
 peak = [0]
 def anon():
@@ -263,3 +264,33 @@ def test_push_pull_and_every_command_on_s3(capsys, local_root, tmp_path, s3_serv
     assert [r["step"] for r in json.loads(run(capsys, "ls", url, "--json", "--storage-options", opts)[1])] == [3]
     code, _, err = run(capsys, "show", url, "--step", "7", "--storage-options", opts)
     assert code == 1 and "step 7" in err
+
+
+def test_inspecting_commands_do_not_import_torch(local_root, tmp_path):
+    """ls, show, verify, timeline, push and prune read JSON and checksums only: the command
+    starts in a fraction of a second instead of paying torch's import (2 s of CPU here).
+    diff and export compare or write tensors, so they load torch, and only then."""
+    copy, log = str(tmp_path / "copy"), str(tmp_path / "events.jsonl")
+    with Checkpointer(str(tmp_path / "logged"), events=log) as ckpt:
+        ckpt.save(1, make_state(1))
+    script = f"""
+import sys, json
+from resilient.ckpt import main
+import resilient
+assert resilient.KeepLast and resilient.CheckpointCorruptError
+codes = {{}}
+for argv in (['ls', {local_root!r}], ['show', {local_root!r}, '--json'], ['verify', {local_root!r}, '--all'],
+             ['timeline', {log!r}], ['push', {local_root!r}, {copy!r}, '--step', '2'],
+             ['prune', {copy!r}, '--keep', '1', '--dry-run']):
+    codes[argv[0]] = main(argv)
+print('AFTER-INSPECTING', json.dumps(codes), 'torch' in sys.modules)
+codes['diff'] = main(['diff', {local_root!r}, '1', '2'])
+print('AFTER-DIFF', codes['diff'], 'torch' in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line.split(maxsplit=1)[1] for line in out.stdout.splitlines() if line.startswith("AFTER-")}
+    codes_json, torch_loaded = lines["AFTER-INSPECTING"].rsplit(" ", 1)
+    assert json.loads(codes_json) == {"ls": 0, "show": 0, "verify": 0, "timeline": 0, "push": 0, "prune": 0}
+    assert torch_loaded == "False", "an inspecting command imported torch"
+    assert lines["AFTER-DIFF"] == "0 True"

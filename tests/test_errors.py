@@ -27,6 +27,30 @@ def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
     assert [n for n in os.listdir(root) if not n.startswith(".")] == []
 
 
+def test_every_dtype_torch_has_is_one_the_format_knows_by_size():
+    """The format's dtype table is written out (so that reading a manifest needs no torch):
+    a torch that adds a dtype fails here, not in a user's restore."""
+    from resilient._format import DTYPE_ITEMSIZE, dtype_from_name
+
+    torchs = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    assert {name: d.itemsize for name, d in torchs.items()} == DTYPE_ITEMSIZE
+    assert all(dtype_from_name(name) is torchs[name] for name in DTYPE_ITEMSIZE)
+
+
+def test_a_dtype_the_format_does_not_know_is_refused_at_save_naming_the_key(root, monkeypatch):
+    """As a newer torch's dtype would be: refused before anything is written, not saved
+    into a checkpoint that no restore could read."""
+    from resilient import _format
+
+    monkeypatch.delitem(_format.DTYPE_ITEMSIZE, "float16")
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"state\['model/half'\]: dtype torch.float16 is not one"):
+            ckpt.save(1, {"model": {"w": torch.ones(2), "half": torch.ones(2, dtype=torch.float16)}})
+        ckpt.wait()
+        assert ckpt.latest() is None
+    assert [n for n in os.listdir(root) if not n.startswith(".")] == []
+
+
 @pytest.fixture
 def saved(root):
     model = torch.nn.Linear(4, 3)

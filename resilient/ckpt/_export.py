@@ -4,6 +4,9 @@ Memory stays bounded whatever the checkpoint's size: each tensor is assembled sh
 shard into a memory-mapped scratch file next to the output (page cache, reclaimable), and
 the writers stream from those maps. The output is written under a temporary name and
 renamed into place, so a failed export leaves nothing that looks finished.
+
+torch is imported where a tensor is made, not at the top: ``resilient-ckpt``'s other commands
+import this module for its names and need no torch.
 """
 
 from __future__ import annotations
@@ -14,23 +17,24 @@ import os
 import shutil
 import struct
 import uuid
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from .._catalog import Catalog
-from .._format import dtype_from_name
+from .._format import dtype_from_name, dtype_itemsize, dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["export", "FORMATS"]
 
 FORMATS = ("torch", "safetensors", "dcp")
 
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.complex64: "C64",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
 }
 
 
@@ -39,18 +43,22 @@ class ExportError(ValueError):
 
 
 def _scratch_tensor(scratch: str, index: int, meta: dict[str, Any]) -> torch.Tensor:
+    import torch
+
     dtype = dtype_from_name(meta["dtype"])
     numel = math.prod(meta["shape"])
     if numel == 0:
         return torch.empty(meta["shape"], dtype=dtype)
     path = os.path.join(scratch, f"{index}.bin")
     with open(path, "wb") as f:
-        f.truncate(numel * torch.empty((), dtype=dtype).element_size())
+        f.truncate(numel * dtype_itemsize(meta["dtype"]))
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(meta["shape"])
 
 
 def _dotted(obj: Any, prefix: str, out: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
     """Flatten to dotted names (the Hugging Face convention), tensors and plain values apart."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         if prefix in out:
             raise ExportError(f"two tensors flatten to the name {prefix!r}")
@@ -69,6 +77,8 @@ def _dotted(obj: Any, prefix: str, out: dict[str, torch.Tensor], values: dict[st
 
 
 def _write_safetensors(obj: Any, path: str, step: int) -> None:
+    import torch
+
     flat: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
     _dotted(obj, "", flat, values)
@@ -77,7 +87,7 @@ def _write_safetensors(obj: Any, path: str, step: int) -> None:
     }
     offset = 0
     for name, t in flat.items():
-        code = _SAFETENSORS_DTYPES.get(t.dtype)
+        code = _SAFETENSORS_DTYPES.get(dtype_name(t.dtype))
         if code is None:
             raise ExportError(f"tensor {name!r}: dtype {t.dtype} has no safetensors code")
         nbytes = t.numel() * t.element_size()
@@ -124,6 +134,8 @@ def export(catalog: Catalog, step: int, fmt: str, out: str, *, key: str | None =
         obj, _ = catalog.read_state(manifest, step, key, progress=progress,
                                     allocate=lambda meta: _scratch_tensor(scratch, next(count), meta))
         if fmt == "torch":
+            import torch
+
             with open(tmp, "wb") as f:
                 torch.save(obj, f)
                 f.flush()
