@@ -18,7 +18,6 @@ from ._chunkio import decode_chunk
 from ._errors import CheckpointCorruptError
 from ._format import BAD_DIR, MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
 from ._layout import Box
-from ._tree import build_value
 from ._storage import LocalStorage, Storage
 
 if TYPE_CHECKING:
@@ -254,6 +253,8 @@ class Catalog:
         tensor). Reading needs no target state: this is how a checkpoint is exported or
         handed to code that expects a ``torch.load``-style dict. ``allocate(meta)`` gives the
         memory a tensor is read into (export maps files, to bound memory)."""
+        from ._tree import build_value  # here: ``_tree`` imports torch, which the CLI's listings never need
+
         entries = dict(manifest["ranks"][0]["tree"]["items"])
         tensors: dict[str, torch.Tensor] = {}
 

@@ -79,7 +79,7 @@ MAX_RNG_BYTES = 1 << 20
 
 #: every dtype a manifest may name, with its bytes per element. Written out rather than
 #: read from torch so that validating a manifest (``resilient-ckpt ls``, ``show``, ``verify``)
-#: does not import torch; ``tests/test_format_versions.py`` checks it against torch's own.
+#: does not import torch; ``tests/test_errors.py`` checks it against torch's own.
 DTYPE_ITEMSIZE = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
     "uint16": 2, "uint32": 4, "uint64": 8,

@@ -8,15 +8,14 @@ because writing it would need pickle, and a checkpoint must never run code when 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 from urllib.parse import quote
+
+import torch
 
 from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE, dtype_name
 from ._per_rank import PerRank
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path"]
 
@@ -57,8 +56,6 @@ class Flattened:
         return node
 
     def encode(self, obj: Any, path: str, *, expand_stateful: bool) -> dict[str, Any]:
-        import torch  # here, not at the top: reading a checkpoint's tree (``build_value``) needs no torch
-
         if isinstance(obj, torch.Tensor):
             if obj.is_sparse or obj.layout != torch.strided:
                 raise UnsupportedStateError(
