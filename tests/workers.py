@@ -408,7 +408,24 @@ def recycled_saves(a: dict) -> None:
     print("INODES " + json.dumps(inodes), flush=True)
 
 
-SCENARIOS = {f.__name__: f for f in (train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
+def harness_probe(a: dict) -> None:
+    """What ``tests.launch`` promises a rank: its own session, its own environment, the
+    interpreter state of ``python -m tests.workers``; then hang, exit or raise as asked."""
+    import __main__
+
+    print("PROBE " + json.dumps({
+        "own_session": os.getsid(0) == os.getpid(), "rank": os.environ["RANK"], "marker": os.environ.get("PROBE"),
+        "threads": torch.get_num_threads(), "main": __main__.__name__, "argv": sys.argv[1:],
+        "cwd": os.getcwd()}), flush=True)
+    if a.get("hang"):
+        time.sleep(3600)
+    if "exit" in a:
+        sys.exit(a["exit"])
+    if a.get("raise"):
+        raise RuntimeError("probe raised")
+
+
+SCENARIOS = {f.__name__: f for f in (harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
                                      remote_differs_by_rank,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore,
                                      stateful_dataloader_per_rank, replicated_save, replicated_restore,
