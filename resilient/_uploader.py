@@ -18,6 +18,7 @@ from typing import Callable
 
 from ._background import yield_to_training
 from ._catalog import COMMITTED, Catalog
+from ._errors import CheckpointCorruptError
 from ._metrics import record
 from ._policy import RetentionPolicy, to_delete
 from ._storage import Storage
@@ -111,14 +112,17 @@ class Uploader:
             self._thread.join(timeout=5)
 
     # -- the thread ---------------------------------------------------------------------------
-    def _retrying(self, what: str, fn: Callable[[], object]) -> bool:
-        """Run ``fn`` until it succeeds (True) or the uploader is closed (False)."""
+    def _retrying(self, what: str, fn: Callable[[], object], fatal: tuple[type[Exception], ...] = ()) -> bool:
+        """Run ``fn`` until it succeeds (True) or the uploader is closed (False); an error of
+        a ``fatal`` type is raised at once (no retry can mend it)."""
         attempt = 0
         while True:
             try:
                 fn()
                 self.last_error = None
                 return True
+            except fatal:
+                raise
             except Exception as exc:  # every store failure is worth another try
                 self.retries += 1
                 record("upload_retry", {})
@@ -174,16 +178,32 @@ class Uploader:
         if not self.local.is_committed(step):
             return True  # deleted locally before it could be uploaded (only without a remote)
         where = f"upload of step {step} to {self.remote.storage.url}"
-        if step not in self._inherited:
-            return True if self._retrying(where, lambda: self._upload(step)) else None
-        if not self._retrying(where, lambda: self._upload_own(step)):
-            return None
+        try:
+            if step not in self._inherited:
+                return True if self._retrying(where, lambda: self._upload(step), (CheckpointCorruptError,)) else None
+            if not self._retrying(where, lambda: self._upload_own(step), (CheckpointCorruptError,)):
+                return None
+        except CheckpointCorruptError as exc:
+            return self._corrupt_here(step, exc)
         if not self.commits:
             return True
         complete: list[bool] = []
         if not self._retrying(f"remote commit of step {step}", lambda: complete.append(self._complete_remotely(step))):
             return None
         return complete[-1]
+
+    def _corrupt_here(self, step: int, exc: CheckpointCorruptError) -> bool:
+        """Give ``step`` up: its local copy fails its checksums, which no retry mends. It is
+        marked bad here, so that no restore, ``latest()`` or retention takes it for good (a
+        remote copy, if another node uploaded one, is still found there); what was uploaded
+        of it was deleted again (``_transfer._put_checked``)."""
+        log.error("resilient: step %d is not uploaded to %s: its local copy fails its checksums (%s); "
+                  "marked bad here", step, self.remote.storage.url, exc)
+        try:
+            self.local.mark_bad(step, f"upload: {exc}")
+        except OSError as mark_exc:
+            log.warning("resilient: could not mark step %d bad on %s: %s", step, self.local.storage.url, mark_exc)
+        return False
 
     def _finish(self, step: int, seconds: float | None) -> None:
         """Take ``step`` off the queue; ``seconds`` None: given up (never committed remotely),

@@ -393,3 +393,56 @@ def test_a_step_counts_as_complete_only_with_every_file_at_its_size(tmp_path, s3
     storage.write("step-0000000003/rank-00001.data", [b"123"])
     assert has_all_files(catalog, manifest)
     assert storage.sizes("step-0000000003") == {"rank-00000.data": 5, "rank-00001.data": 3}
+
+
+def _remote_files(url, options, step):
+    fs = fsspec.filesystem("s3", **options)
+    fs.invalidate_cache()
+    sdir = f"{fs._strip_protocol(url)}/step-{step:010d}"
+    return sorted(p.rsplit("/", 1)[1] for p in fs.ls(sdir, detail=False)) if fs.exists(sdir) else []
+
+
+def test_a_local_file_that_fails_its_checksums_is_not_left_on_the_remote_tier(tmp_path, s3_server, capsys):
+    """The upload runs beside the file's check: a file that fails it is deleted from the
+    bucket again and the step is not committed there (resilient-ckpt push, which copies the
+    way the uploader does)."""
+    from resilient.ckpt import main
+
+    from .faults import flip_byte
+
+    url, opts = s3_url(s3_server), s3_server["options"]
+    root = tmp_path / "l"
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.arange(300_000, dtype=torch.float32)})
+    flip_byte(str(root / "step-0000000001" / "rank-00000.data"), 4096)
+    code = main(["push", str(root), url, "--storage-options", json.dumps(opts)])
+    err = capsys.readouterr().err
+    assert code == 1 and "checksum mismatch" in err and "rank-00000.data" in err
+    assert _remote_files(url, opts, 1) == [] and remote_steps(url, opts) == []
+
+
+def test_an_uploaded_file_is_checked_again_before_a_later_upload_counts_it_as_there(tmp_path, s3_server, caplog):
+    """As after a process that died between a failed check and deleting the upload: the
+    data file is in the bucket at its size, the step uncommitted there, the local copy bad.
+    The next uploader checks the local file before skipping it, deletes the remote one,
+    never commits the step and gives it up at once (no retry mends a bad local copy): marked
+    bad here, so that ``latest()`` does not offer it."""
+    from .faults import flip_byte
+
+    url, opts = s3_url(s3_server), s3_server["options"]
+    root = tmp_path / "l"
+    with Checkpointer(root, remote=url, storage_options=opts) as ckpt:
+        ckpt.save(1, {"w": torch.arange(300_000, dtype=torch.float32)})
+        ckpt.flush(timeout=60)
+    fs = fsspec.filesystem("s3", **opts)
+    fs.rm(f"{fs._strip_protocol(url)}/step-0000000001/manifest.json")  # uncommitted there
+    assert _remote_files(url, opts, 1) == ["rank-00000.data"] and remote_steps(url, opts) == []
+    flip_byte(str(root / "step-0000000001" / "rank-00000.data"), 4096)
+    with Checkpointer(root, remote=url, storage_options=opts) as ckpt:
+        ckpt.flush(timeout=30)  # returns: the step was given up, not retried
+        assert ckpt.latest() is None
+    assert _remote_files(url, opts, 1) == [] and remote_steps(url, opts) == []
+    assert os.path.exists(root / ".bad" / "step-0000000001")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("step 1 is not uploaded" in m and "checksum mismatch" in m for m in errors), errors
+    assert not any("retrying" in r.getMessage() for r in caplog.records)
