@@ -23,10 +23,15 @@ def s3_url(server):
     return f"s3://{server['bucket']}/{uuid.uuid4().hex}"
 
 
-def remote_steps(url, options):
+def remote_fs(url, options):
+    """(the remote tier's filesystem, its listings fresh; the root's path on it)."""
     fs = fsspec.filesystem("s3", **options) if url.startswith("s3://") else fsspec.filesystem(url.split("://")[0])
     fs.invalidate_cache()
-    base = fs._strip_protocol(url)
+    return fs, fs._strip_protocol(url)
+
+
+def remote_steps(url, options):
+    fs, base = remote_fs(url, options)
     if not fs.exists(base):
         return []
     return sorted(int(p.rsplit("-", 1)[1]) for p in fs.ls(base, detail=False)
@@ -396,9 +401,8 @@ def test_a_step_counts_as_complete_only_with_every_file_at_its_size(tmp_path, s3
 
 
 def _remote_files(url, options, step):
-    fs = fsspec.filesystem("s3", **options)
-    fs.invalidate_cache()
-    sdir = f"{fs._strip_protocol(url)}/step-{step:010d}"
+    fs, base = remote_fs(url, options)
+    sdir = f"{base}/step-{step:010d}"
     return sorted(p.rsplit("/", 1)[1] for p in fs.ls(sdir, detail=False)) if fs.exists(sdir) else []
 
 
@@ -434,8 +438,8 @@ def test_an_uploaded_file_is_checked_again_before_a_later_upload_counts_it_as_th
     with Checkpointer(root, remote=url, storage_options=opts) as ckpt:
         ckpt.save(1, {"w": torch.arange(300_000, dtype=torch.float32)})
         ckpt.flush(timeout=60)
-    fs = fsspec.filesystem("s3", **opts)
-    fs.rm(f"{fs._strip_protocol(url)}/step-0000000001/manifest.json")  # uncommitted there
+    fs, base = remote_fs(url, opts)
+    fs.rm(f"{base}/step-0000000001/manifest.json")  # uncommitted there
     assert _remote_files(url, opts, 1) == ["rank-00000.data"] and remote_steps(url, opts) == []
     flip_byte(str(root / "step-0000000001" / "rank-00000.data"), 4096)
     with Checkpointer(root, remote=url, storage_options=opts) as ckpt:
