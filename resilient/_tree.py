@@ -14,12 +14,14 @@ from urllib.parse import quote
 import torch
 
 from ._errors import UnsupportedStateError
-from ._format import DTYPE_ITEMSIZE, dtype_name
+from ._format import DTYPE_ITEMSIZE
 from ._per_rank import PerRank
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path"]
 
 _SCALARS = (type(None), bool, int, float, str)
+#: torch's dtypes that the format can name (a set lookup per tensor on the save's path)
+_SAVABLE_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name))
 
 
 def is_stateful(obj: Any) -> bool:
@@ -62,7 +64,7 @@ class Flattened:
                     f"state[{path!r}]: {obj.layout} tensors cannot be checkpointed; "
                     "convert to a dense tensor first"
                 )
-            if dtype_name(obj.dtype) not in DTYPE_ITEMSIZE:
+            if obj.dtype not in _SAVABLE_DTYPES:
                 raise UnsupportedStateError(
                     f"state[{path!r}]: dtype {obj.dtype} is not one the checkpoint format knows "
                     "(resilient._format.DTYPE_ITEMSIZE); convert the tensor first"
