@@ -17,14 +17,30 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 
-__all__ = ["yield_to_training", "NICE_ENV"]
+__all__ = ["jitter", "spread", "yield_to_training", "NICE_ENV"]
 
 log = logging.getLogger("resilient")
 
 NICE_ENV = "RESILIENT_BACKGROUND_NICE"
 DEFAULT_NICE = 19
+
+# Python's global generator is the training's: its state is saved with every checkpoint and
+# restored with it, so that a resumed run draws what an uninterrupted one does. A backoff
+# drawn from it at times the network decides would make the two differ.
+_own = random.Random()
+
+
+def jitter(low: float, high: float) -> float:
+    """A number for spreading retries and polls, drawn from a generator of our own."""
+    return _own.uniform(low, high)
+
+
+def spread(n: int) -> int:
+    """A start index in ``range(n)`` for spreading clients over servers (own generator)."""
+    return _own.randrange(n)
 
 
 def yield_to_training() -> None:

@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import os
-import random
 import shutil
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any, Callable, Mapping, MutableMapping, TypeVar
 
 import torch
 
+from ._background import jitter
 from ._catalog import Catalog
 from ._claim import claim_root, job_id, live_sessions, release_root
 from ._coord import Coordinator, make_coordinator
@@ -597,7 +597,7 @@ class Checkpointer:
         while not remote.is_committed(newest[-1]):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"step {newest[-1]} not committed on {self._remote.url} after {timeout} s")
-            time.sleep(pause * random.uniform(0.8, 1.2))
+            time.sleep(pause * jitter(0.8, 1.2))
             pause = min(pause * 1.5, 1.0)
 
     # -- reading ----------------------------------------------------------------------------

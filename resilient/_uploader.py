@@ -11,12 +11,11 @@ training never waits, and when the store comes back the backlog drains in order.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from typing import Callable
 
-from ._background import yield_to_training
+from ._background import jitter, yield_to_training
 from ._catalog import COMMITTED, Catalog
 from ._errors import CheckpointCorruptError
 from ._metrics import record
@@ -128,7 +127,7 @@ class Uploader:
                 record("upload_retry", {})
                 # only the exception's type and message: never the storage options
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                delay = min(self.max_delay, self.base_delay * 2**attempt) * random.uniform(0.5, 1.0)
+                delay = min(self.max_delay, self.base_delay * 2**attempt) * jitter(0.5, 1.0)
                 attempt += 1
                 log.warning("resilient: %s failed (attempt %d, retrying in %.1f s): %s",
                             what, attempt, delay, self.last_error)

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import shutil
+import random
 import time
 import uuid
 
@@ -156,6 +157,7 @@ def flaky():
 
 def test_fault_injected_store_retries_and_catches_up_in_order(tmp_path, flaky, caplog):
     FlakyFS.broken = True
+    training_stream = random.getstate()  # saved with each checkpoint: the retries draw nothing from it
     with Checkpointer(tmp_path / "l", remote=flaky, keep=1) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, {"x": torch.full((4,), float(step))})
@@ -167,6 +169,7 @@ def test_fault_injected_store_retries_and_catches_up_in_order(tmp_path, flaky, c
         FlakyFS.broken = False
         ckpt.flush(timeout=60)
     assert FlakyFS.calls_failed > 0
+    assert random.getstate() == training_stream
     assert remote_steps(flaky, {}) == [1, 2, 3]
     uploads = [r.getMessage() for r in caplog.records if "upload of step" in r.getMessage()]
     assert uploads == [] or all("step 1" in m for m in uploads)  # in order: 2 waits behind 1

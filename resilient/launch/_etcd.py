@@ -27,7 +27,6 @@ import base64
 import json
 import logging
 import os
-import random
 import socket
 import ssl
 import threading
@@ -39,6 +38,7 @@ from typing import Any, Callable, TypeVar
 
 from etcd3gw.exceptions import Etcd3Exception
 
+from .._background import spread
 from ._etcd_http import JsonTransport, Stream, Unreachable
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class Etcd:
             raise EtcdSecurityError(f"--rdzv-conf cacert={self.security.cacert} cert={self.security.cert} "
                                     f"key={self.security.key}: cannot be loaded for TLS ({exc})") from None
         # a large gang spreads its requests over the members instead of all loading the first
-        self._current = random.randrange(len(self._endpoints))
+        self._current = spread(len(self._endpoints))
         self._lock = threading.Lock()
         #: ``"<path> requests"`` and ``"<path> bytes"`` (request + response bodies) per call
         #: path (``/kv/txn``, ``/watch``...): what the scale benchmark divides by agents and rounds
