@@ -16,8 +16,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def run(*args: str) -> str:
+    # one intra-op thread, as the suite's other runs use. With two, one CI run found the resumed
+    # weights unequal to the uninterrupted ones, which dozens of runs here never reproduced; a
+    # CPU reduction's rounding depends on how it is split over threads (GPT-2's layer-norm
+    # gradients differ bitwise between 1 and 2), and the claim under test is that resuming
+    # changes nothing, not that the math library splits work the same way every time
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO})
+                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -34,11 +39,15 @@ def test_gpt2_interrupted_resumed_exported_and_loaded_by_from_pretrained(tmp_pat
 
     example = os.path.join(REPO, "examples", "hf_train.py")
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    run(example, "--dir", full, "--steps", "20")
+    uninterrupted = run(example, "--dir", full, "--steps", "20")
     assert "starting fresh" in run(example, "--dir", resumed, "--steps", "20", "--stop-at", "15")
-    assert "resumed at step 10" in run(example, "--dir", resumed, "--steps", "20")
+    second_half = run(example, "--dir", resumed, "--steps", "20")
+    assert "resumed at step 10" in second_half
     a, b = load_file(export(full)), load_file(export(resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys()
+    differ = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+    # the losses printed tell whether the training itself diverged, or only what was saved
+    assert not differ, f"{differ}\nuninterrupted:\n{uninterrupted}\nresumed:\n{second_half}"
     # GPT-2's output layer is its token embedding: one tensor in the checkpoint, both names exported
     assert torch.equal(b["lm_head.weight"], b["transformer.wte.weight"])
     model = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(resumed, "hf"))
