@@ -108,6 +108,14 @@ class Catalog:
                 bad[step] = name
         return bad
 
+    def bad_reason(self, step: int) -> str | None:
+        """The reason ``step`` was marked bad, None if it is not (one request, where
+        ``bad_steps`` lists them all)."""
+        try:
+            return self.storage.read(f"{BAD_DIR}/{step_dir_name(step)}").decode(errors="replace")
+        except FileNotFoundError:
+            return None
+
     def mark_bad(self, step: int, reason: str) -> None:
         self.storage.write(f"{BAD_DIR}/{step_dir_name(step)}", [reason.encode()[:4096]])
 

@@ -28,6 +28,20 @@ __all__ = ["Uploader"]
 log = logging.getLogger("resilient")
 
 
+class _GivenUpElsewhere(Exception):
+    """Another node gave the step up (its local copy failed its checksums): its files will
+    never come, so rank 0 does not commit the step and goes on to the next."""
+
+
+def _given_up_mark(manifest: dict) -> str:
+    """What a node that gives a step up writes in the step's bad marker on the remote tier.
+
+    It names the save by its commit record's creation time, which every node's copy shares:
+    a marker left by an earlier save of the same step number (one that failed verification
+    once committed, before the job fell back and saved that step again) is not this one."""
+    return f"given up by a node, save created {manifest.get('created')!r}"
+
+
 class Uploader:
     def __init__(
         self,
@@ -179,11 +193,16 @@ class Uploader:
         where = f"upload of step {step} to {self.remote.storage.url}"
         try:
             if step not in self._inherited:
-                return True if self._retrying(where, lambda: self._upload(step), (CheckpointCorruptError,)) else None
+                return True if self._retrying(where, lambda: self._upload(step),
+                                              (CheckpointCorruptError, _GivenUpElsewhere)) else None
             if not self._retrying(where, lambda: self._upload_own(step), (CheckpointCorruptError,)):
                 return None
         except CheckpointCorruptError as exc:
             return self._corrupt_here(step, exc)
+        except _GivenUpElsewhere:
+            log.warning("resilient: step %d is not committed on %s: another node's copy of it failed its "
+                        "checksums and was given up there; going on with the next step", step, self.remote.storage.url)
+            return False
         if not self.commits:
             return True
         complete: list[bool] = []
@@ -202,6 +221,16 @@ class Uploader:
             self.local.mark_bad(step, f"upload: {exc}")
         except OSError as mark_exc:
             log.warning("resilient: could not mark step %d bad on %s: %s", step, self.local.storage.url, mark_exc)
+        # and there: rank 0 waits for every node's files before it commits, and would wait
+        # for this node's forever, holding every later step back (``_upload``)
+        try:
+            mark = f"{_given_up_mark(self.local.manifest(step))}: its local copy failed its checksums: {exc}"
+        except (OSError, ValueError) as read_exc:  # no commit record to name the save by
+            log.warning("resilient: step %d: cannot read its commit record on %s (%s); rank 0 is not told",
+                        step, self.local.storage.url, read_exc)
+            return False
+        self._retrying(f"marking step {step} given up on {self.remote.storage.url}",
+                       lambda: self.remote.mark_bad(step, mark))
         return False
 
     def _finish(self, step: int, seconds: float | None) -> None:
@@ -234,12 +263,23 @@ class Uploader:
         return False
 
     def _upload(self, step: int) -> None:
-        self._upload_own(step)
         if not self.commits:
+            self._upload_own(step)
             return
         manifest = self.local.manifest(step)
-        # rank 0 commits once every node's files are up (other leaders upload their own)
+        mark = _given_up_mark(manifest)
+
+        def given_up() -> bool:
+            return (self.remote.bad_reason(step) or "").startswith(mark)
+
+        if given_up():
+            raise _GivenUpElsewhere(step)
+        self._upload_own(step)
+        # rank 0 commits once every node's files are up (other leaders upload their own),
+        # unless a node gives the step up meanwhile (``_corrupt_here``)
         while not has_all_files(self.remote, manifest):
+            if given_up():
+                raise _GivenUpElsewhere(step)
             with self._cond:
                 if self._closed:
                     raise RuntimeError("closed while waiting for other nodes' files")

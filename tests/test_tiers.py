@@ -453,3 +453,49 @@ def test_an_uploaded_file_is_checked_again_before_a_later_upload_counts_it_as_th
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any("step 1 is not uploaded" in m and "checksum mismatch" in m for m in errors), errors
     assert not any("retrying" in r.getMessage() for r in caplog.records)
+
+
+def test_rank_0_does_not_wait_forever_for_a_step_another_node_gave_up(tmp_path, caplog):
+    """Two nodes' leaders upload the same three steps; node 1's local copy of step 2 fails its
+    checksums, so node 1 gives step 2 up. Rank 0, which commits each step once every node's
+    files are up, used to wait for node 1's files of step 2 forever, and step 3 behind it
+    never reached the remote tier. Now node 1 says so on the remote tier (step 2's bad
+    marker, naming that save), rank 0 gives step 2 up too and commits step 3."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+    from resilient._uploader import Uploader
+
+    from .faults import flip_byte
+    from .launch import run_ranks
+
+    remote = "file://" + str(tmp_path / "remote")
+    # a marker an earlier save of step 3 left (failed verification once committed): not this save's
+    Catalog(open_storage(remote)).mark_bad(3, "failed verification when restored: checksum mismatch")
+    nodes = []
+    for n in (0, 1):
+        os.makedirs(tmp_path / f"node{n}")
+        nodes.append(Catalog(open_storage(str(tmp_path / f"node{n}"))))
+    # each node's uploader as its Checkpointer starts one: found nothing to catch up on, then
+    # is handed each step once committed
+    uploaders = [Uploader(nodes[n], open_storage(remote), commits=n == 0, keep_remote=None,
+                          on_uploaded=lambda step, seconds: None) for n in (0, 1)]
+    try:
+        for uploader in uploaders:
+            uploader.flush(timeout=30)
+        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 3})
+        assert nodes[0].manifest(2)["created"] == nodes[1].manifest(2)["created"]  # one commit record
+        (bad_file,) = [f for f in os.listdir(tmp_path / "node1" / "step-0000000002") if f.endswith(".data")]
+        flip_byte(str(tmp_path / "node1" / "step-0000000002" / bad_file), 4096)
+        for uploader in uploaders:
+            for step in (1, 2, 3):
+                uploader.enqueue(step)
+        for uploader in uploaders:
+            uploader.flush(timeout=60)  # before: rank 0's timed out waiting for step 2
+    finally:
+        for uploader in uploaders:
+            uploader.close()
+    assert remote_steps(remote, {}) == [1, 3]
+    assert nodes[1].bad_reason(2) is not None and nodes[0].bad_reason(2) is None  # node 0's copy is good
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("step 2 is not uploaded" in m and bad_file in m for m in messages), messages
+    assert any("step 2 is not committed" in m and "another node" in m for m in messages), messages

@@ -194,6 +194,17 @@ def per_rank_save(a: dict) -> None:
     print(f"rank {rank} saved per-rank state", flush=True)
 
 
+def saves_on_own_nodes(a: dict) -> None:
+    """Each rank its own node (its own local root, so each is its node's leader) and its
+    own data: steps 1 to ``a["steps"]`` committed on the local tier only."""
+    from resilient import PerRank
+
+    rank, world = init()
+    with Checkpointer(os.path.join(a["root"], f"node{rank}"), keep=None) as ckpt:
+        for step in range(1, a["steps"] + 1):
+            ckpt.save(step, {"mine": PerRank(torch.full((100_000,), float(10 * rank + step)))}, force=True)
+
+
 def per_rank_restore(a: dict) -> None:
     """Same world: each rank its own. Other world: refused naming the entry, unless a rule
     (here: new rank r takes old rank r mod old world, position advanced) is given."""
@@ -427,7 +438,7 @@ def harness_probe(a: dict) -> None:
 
 SCENARIOS = {f.__name__: f for f in (harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
                                      remote_differs_by_rank,
-                                     rank_dependent_tensor_refused, per_rank_save, per_rank_restore,
+                                     rank_dependent_tensor_refused, per_rank_save, per_rank_restore, saves_on_own_nodes,
                                      stateful_dataloader_per_rank, replicated_save, replicated_restore,
                                      recycled_saves, rng_per_rank_save, rng_per_rank_restore)}
 
