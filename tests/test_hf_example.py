@@ -16,11 +16,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def run(*args: str) -> str:
-    # one intra-op thread, as the suite's other runs use. With two, one CI run found the resumed
-    # weights unequal to the uninterrupted ones, which dozens of runs here never reproduced; a
-    # CPU reduction's rounding depends on how it is split over threads (GPT-2's layer-norm
-    # gradients differ bitwise between 1 and 2), and the claim under test is that resuming
-    # changes nothing, not that the math library splits work the same way every time
+    # one intra-op thread, as the suite's other runs use. With two and MKL's thread count left
+    # dynamic (torch fixes it only in set_num_threads), one fresh run in ~110 here, and one in
+    # CI, came out unequal in the last bits of every tensor before any save or restore: a CPU
+    # reduction's rounding depends on how it is split over threads (GPT-2's layer-norm
+    # gradients differ bitwise between 1 and 2 threads). The claim under test is that resuming
+    # changes nothing, not that the math library splits its work alike in every process.
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
