@@ -71,6 +71,8 @@ class Uploader:
         # steps found on the local tier at start, written by an earlier gang: other nodes'
         # files may never come (that node is gone), so they are not waited for
         self._inherited: set[int] = set()
+        # rank 0: steps given up, whose uploaded files go once a later step is committed
+        self._abandoned: set[int] = set()
         self._cond = threading.Condition()
         self._closed = False
         self._caught_up = False
@@ -182,9 +184,26 @@ class Uploader:
             outcome = self._process(step)
             if outcome is None:
                 return  # closed
+            if self.commits and not outcome:
+                self._abandoned.add(step)
+            elif self.commits and not self._retrying("removing given-up steps", lambda: self._remove_abandoned(step)):
+                return  # closed
             self._finish(step, time.perf_counter() - started if outcome else None)
             if outcome and self.commits:
                 self._retrying("remote retention", self._retention)
+
+    def _remove_abandoned(self, committed: int) -> None:
+        """Rank 0, once ``committed`` is committed remotely: delete what the nodes uploaded
+        of the steps before it that were given up (a node's bad copy, a node lost before it
+        uploaded). Every node uploads in commit order and ``committed`` needed every node's
+        files, so no node uploads to those steps any more; left alone, each failure would
+        leave its share of a checkpoint in the bucket for good."""
+        for step in sorted(s for s in self._abandoned if s < committed):
+            if not self.remote.is_committed(step):  # committed meanwhile (by hand, say): kept
+                self.remote.delete_step(step)
+                log.info("resilient: removed step %d's uploaded files from %s (the step was given up)",
+                         step, self.remote.storage.url)
+            self._abandoned.discard(step)
 
     def _process(self, step: int) -> bool | None:
         """Upload (and, on rank 0, commit) one step: True done, False given up, None closed."""

@@ -495,7 +495,51 @@ def test_rank_0_does_not_wait_forever_for_a_step_another_node_gave_up(tmp_path, 
         for uploader in uploaders:
             uploader.close()
     assert remote_steps(remote, {}) == [1, 3]
+    assert not os.path.exists(tmp_path / "remote" / "step-0000000002")  # node 0's upload of it removed
     assert nodes[1].bad_reason(2) is not None and nodes[0].bad_reason(2) is None  # node 0's copy is good
     messages = [r.getMessage() for r in caplog.records]
     assert any("step 2 is not uploaded" in m and bad_file in m for m in messages), messages
     assert any("step 2 is not committed" in m and "another node" in m for m in messages), messages
+
+
+def test_what_nodes_uploaded_of_a_step_given_up_is_removed_once_a_later_step_commits(tmp_path, caplog):
+    """A new gang finds steps 1 and 2 on its nodes' disks, written by an earlier gang, and
+    none of them on the remote tier. Rank 0's uploader starts first, uploads its files of
+    them, finds node 1's missing and gives both steps up (node 1 might be gone). Node 1 then
+    uploads its own files of them too. Once step 3, saved by this gang, is committed, every
+    node is past steps 1 and 2 (each uploads in order): what is left of them in the bucket
+    is deleted instead of staying there for good."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+    from resilient._uploader import Uploader
+
+    from .launch import run_ranks
+
+    run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 2})
+    remote = "file://" + str(tmp_path / "remote")
+    nodes = [Catalog(open_storage(str(tmp_path / f"node{n}"))) for n in (0, 1)]
+
+    def uploader(n):
+        return Uploader(nodes[n], open_storage(remote), commits=n == 0, keep_remote=None,
+                        on_uploaded=lambda step, seconds: None)
+
+    uploaders = [uploader(0)]
+    try:
+        uploaders[0].flush(timeout=30)
+        assert remote_steps(remote, {}) == [] and sorted(os.listdir(tmp_path / "remote")) == [
+            "step-0000000001", "step-0000000002"]  # node 0's files, uncommitted
+        uploaders.append(uploader(1))
+        uploaders[1].flush(timeout=30)
+        assert len(os.listdir(tmp_path / "remote" / "step-0000000001")) == 2  # both nodes' files now
+        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "first": 3, "steps": 3})
+        for u in uploaders:
+            u.enqueue(3)
+        for u in uploaders:
+            u.flush(timeout=60)
+    finally:
+        for u in uploaders:
+            u.close()
+    assert remote_steps(remote, {}) == [3]
+    assert sorted(n for n in os.listdir(tmp_path / "remote") if n.startswith("step-")) == ["step-0000000003"]
+    removed = [r.getMessage() for r in caplog.records if "given up" in r.getMessage() and "removed" in r.getMessage()]
+    assert len(removed) == 2, removed
