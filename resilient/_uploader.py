@@ -198,7 +198,10 @@ class Uploader:
         uploaded). Every node uploads in commit order and ``committed`` needed every node's
         files, so no node uploads to those steps any more; left alone, each failure would
         leave its share of a checkpoint in the bucket for good."""
-        for step in sorted(s for s in self._abandoned if s < committed):
+        earlier = sorted(s for s in self._abandoned if s < committed)
+        if not earlier or not self.remote.is_committed(committed):  # (not when it was deleted locally first)
+            return
+        for step in earlier:
             if not self.remote.is_committed(step):  # committed meanwhile (by hand, say): kept
                 self.remote.delete_step(step)
                 log.info("resilient: removed step %d's uploaded files from %s (the step was given up)",
