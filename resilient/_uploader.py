@@ -157,10 +157,11 @@ class Uploader:
     def _catch_up(self) -> None:
         """Queue every local checkpoint the remote tier lacks (after a restart, say)."""
         committed_remote = set(self.remote.committed_steps())
+        bad_here = self.local.bad_steps()  # given up already (or failed a restore): no upload mends it
         with self._cond:
-            self._done |= committed_remote
+            self._done |= committed_remote | set(bad_here)  # settled, as a step given up now is
             for step in self.local.steps():
-                if step not in committed_remote and step not in self._queue:
+                if step not in committed_remote and step not in bad_here and step not in self._queue:
                     self._queue.append(step)
                     self._inherited.add(step)
             self._queue.sort()
