@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["Entry", "Catalog", "spans"]
 
 COMMITTED, PARTIAL, CORRUPT = "committed", "partial", "corrupt"
+#: the most bytes of a bad marker's reason written or read: a marker in a bucket others can
+#: write to is read at most this far (rank 0 reads one every 0.2 s while it waits)
+BAD_REASON_BYTES = 4096
 READ_SPAN = 64 << 20  # bytes fetched per request when streaming a file
 
 
@@ -112,12 +115,12 @@ class Catalog:
         """The reason ``step`` was marked bad, None if it is not (one request, where
         ``bad_steps`` lists them all)."""
         try:
-            return self.storage.read(f"{BAD_DIR}/{step_dir_name(step)}").decode(errors="replace")
+            return self.storage.read(f"{BAD_DIR}/{step_dir_name(step)}", 0, BAD_REASON_BYTES).decode(errors="replace")
         except FileNotFoundError:
             return None
 
     def mark_bad(self, step: int, reason: str) -> None:
-        self.storage.write(f"{BAD_DIR}/{step_dir_name(step)}", [reason.encode()[:4096]])
+        self.storage.write(f"{BAD_DIR}/{step_dir_name(step)}", [reason.encode()[:BAD_REASON_BYTES]])
 
     def clear_bad(self, step: int) -> None:
         """A step committed again (a new copy) is no longer the one that failed."""
@@ -129,7 +132,7 @@ class Catalog:
         if not self.is_committed(step):
             return Entry(step, PARTIAL, "no commit record (manifest.json)")
         if step in self.bad_steps():
-            reason = self.storage.read(f"{BAD_DIR}/{sdir}").decode(errors="replace")
+            reason = self.storage.read(f"{BAD_DIR}/{sdir}", 0, BAD_REASON_BYTES).decode(errors="replace")
             return Entry(step, CORRUPT, f"failed verification when restored: {reason}")
         try:
             manifest = self.manifest(step)

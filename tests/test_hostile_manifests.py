@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import shutil
+import tracemalloc
 import zlib
 
 import numpy as np
@@ -193,3 +194,26 @@ def test_a_run_of_boxes_restores_as_the_boxes_it_stands_for(tmp_path):
     # the second half came from rank 1's file at its offset 512: the copy's second half
     assert torch.equal(target["w"], torch.arange(256.0))
     assert ckpt_main(["verify", root, "--step", "2"]) == 0
+
+
+def test_a_huge_bad_marker_is_read_only_as_far_as_a_reason_goes(tmp_path):
+    """A bad marker is read by ``resilient-ckpt ls`` and, while it waits for other nodes,
+    by rank 0's uploader every 0.2 s: one planted at 64 MiB costs a few kB each time."""
+    from resilient._catalog import BAD_REASON_BYTES, CORRUPT, Catalog
+    from resilient._storage import open_storage
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(4)}, force=True)
+    os.makedirs(tmp_path / ".bad")
+    with open(tmp_path / ".bad" / "step-0000000001", "wb") as f:
+        f.write(b"x" * (64 << 20))
+    catalog = Catalog(open_storage(str(tmp_path)))
+    tracemalloc.start()
+    try:
+        assert len(catalog.bad_reason(1)) == BAD_REASON_BYTES
+        entry = catalog.entry(1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert entry.state == CORRUPT and len(entry.problem) < BAD_REASON_BYTES + 100
+    assert peak < 1 << 20, peak  # nothing near 64 MiB
