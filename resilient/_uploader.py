@@ -6,6 +6,12 @@ and the remote manifest (the remote commit record) written last, by rank 0 only,
 every rank's files are there. Failures (5xx, throttling, refused connections, a server
 that vanished) are retried with exponential backoff and jitter for as long as it takes:
 training never waits, and when the store comes back the backlog drains in order.
+
+What no retry mends is given up instead, so that it never holds later steps back: a step
+whose local copy fails its checksums (the node says so on the remote tier, and rank 0 stops
+waiting for that node's files), and on rank 0 a step an earlier gang left whose other files
+never came. What the nodes uploaded of a step given up is deleted once a later step is
+committed, since commit order means no node still uploads to it.
 """
 
 from __future__ import annotations
