@@ -8,6 +8,10 @@
     RESILIENT_FAULT="kill:rank=1,step=50,phase=write"  # rank 1 dies while step 50's save is
                                                        # written: its file is on disk, its
                                                        # report never reaches the committer
+    RESILIENT_FAULT="corrupt:rank=1,step=20,phase=write"   # one bit of rank 1's file of step 20
+                                                       # flips once written (a disk's silent
+                                                       # error): the step commits, and its
+                                                       # checksums catch it at upload or restore
 
 A step is "finished" when ``Checkpointer.save(step)`` is called for it (``phase=step``, the
 default); ``phase=write`` fires in the background writer instead, once this rank's file of
@@ -29,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-KINDS = ("kill", "hang", "raise")
+KINDS = ("kill", "hang", "raise", "corrupt")
 PHASES = ("step", "write")
 
 
@@ -77,6 +81,8 @@ def parse(spec: str) -> list[Fault]:
         phase = fields.pop("phase", "step")
         if phase not in PHASES:
             raise ValueError(f"RESILIENT_FAULT: phase={phase!r} in {part!r} must be one of {', '.join(PHASES)}")
+        if kind == "corrupt" and phase != "write":
+            raise ValueError(f"RESILIENT_FAULT: {part!r}: corrupt damages the file a save writes; add phase=write")
         try:
             if "random" in fields:
                 lo, _, hi = fields["random"].partition("-")
@@ -106,15 +112,16 @@ class FaultInjector:
             if at_rank == rank:
                 self._armed.append((index, fault.kind, at_step, fault.phase))
 
-    def check(self, step: int, phase: str = "step") -> None:
+    def check(self, step: int, phase: str = "step", path: str | None = None) -> None:
         """Fire the faults armed for ``step`` in ``phase`` (``step``: the training thread's
-        ``save``; ``write``: the background writer, this rank's file written)."""
+        ``save``; ``write``: the background writer, this rank's file ``path`` written, None
+        for a rank that writes no file)."""
         for index, kind, at_step, at_phase in self._armed:
             if (step, phase) == (at_step, at_phase) and self._claim(f"fault-{index}-{kind}-rank{self.rank}-step{step}"):
-                self._fire(kind, step)
+                self._fire(kind, step, path)
 
-    def check_write(self, step: int) -> None:
-        self.check(step, "write")
+    def check_write(self, step: int, path: str | None) -> None:
+        self.check(step, "write", path)
 
     def _claim(self, name: str) -> bool:
         os.makedirs(self.marker_dir, exist_ok=True)
@@ -124,16 +131,33 @@ class FaultInjector:
             return False  # fired already in this run
         return True
 
-    def _fire(self, kind: str, step: int) -> None:
+    def _fire(self, kind: str, step: int, path: str | None = None) -> None:
         print(f"resilient: injected fault: {kind} on rank {self.rank} at step {step}", flush=True)
         if self.on_fire is not None:
             self.on_fire(kind, step)
+        if kind == "corrupt":
+            if path is not None:
+                _flip_a_bit(path)
+            return
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "hang":
             while True:
                 time.sleep(3600)
         raise InjectedFault(f"injected fault on rank {self.rank} at step {step} (RESILIENT_FAULT)")
+
+
+def _flip_a_bit(path: str) -> None:
+    """Invert one bit in the middle of the file's first 64 kB: inside a chunk's data, where
+    only its checksum can tell."""
+    with open(path, "r+b") as f:
+        offset = min(os.fstat(f.fileno()).st_size, 1 << 16) // 2
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def from_env(rank: int, world_size: int, root: str,

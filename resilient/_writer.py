@@ -117,10 +117,11 @@ class BackgroundWriter:
         after_commit: Callable[[int], None],
         authorize: Callable[[int], None] | None = None,
         direct_io: bool = True,
-        written: Callable[[int], None] | None = None,
+        written: Callable[[int, str | None], None] | None = None,
     ) -> None:
         self.tier = tier
-        self.written = written  # told the step once this rank's file is written (RESILIENT_FAULT's phase=write)
+        # told the step and this rank's file once it is written (RESILIENT_FAULT's phase=write)
+        self.written = written
         self.direct_io = direct_io
         self.authorize = authorize  # raises when this process may no longer commit (fenced)
         self.coord = coord
@@ -219,7 +220,7 @@ class BackgroundWriter:
         try:
             report = self._write_rank_file(job, pending)
             if self.written is not None:
-                self.written(job.step)
+                self.written(job.step, None if report["file"] is None else os.path.join(pending, report["file"]))
         except Exception as exc:
             report = {"rank": self.coord.rank, "error": f"{type(exc).__name__}: {exc}"}
 

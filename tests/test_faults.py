@@ -131,6 +131,7 @@ def test_random_faults_agree_across_ranks_and_fire_on_one(tmp_path):
     ("kill:rank=0,step=1,when=now", "unknown key(s) when"),
     ("kill:rank=0,step=1,phase=later", "phase='later' in 'kill:rank=0,step=1,phase=later' must be one of step, write"),
     ("kill rank=0", "must start with one of"),
+    ("corrupt:rank=0,step=1", "corrupt damages the file a save writes; add phase=write"),
 ])
 def test_bad_specs_name_the_part_at_fault(spec, message):
     with pytest.raises(ValueError) as err:

@@ -547,3 +547,20 @@ def test_what_nodes_uploaded_of_a_step_given_up_is_removed_once_a_later_step_com
     assert sorted(n for n in os.listdir(tmp_path / "remote") if n.startswith("step-")) == ["step-0000000003"]
     removed = [r.getMessage() for r in caplog.records if "given up" in r.getMessage() and "removed" in r.getMessage()]
     assert len(removed) == 2, removed
+
+
+def test_a_bit_flipped_on_one_nodes_disk_costs_the_remote_tier_that_step_only(tmp_path):
+    """End to end, as a run with ``RESILIENT_FAULT=corrupt:...`` shows it: two nodes, each
+    its own disk, one remote tier; one bit of node 1's file of step 2 flips once written.
+    Every step commits locally; node 1's upload check catches the bit and gives step 2 up,
+    rank 0 commits every other step, and both ranks' ``flush()`` return."""
+    from .launch import run_ranks
+
+    remote = "file://" + str(tmp_path / "remote")
+    results = run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 4, "remote": remote},
+                        env={"RESILIENT_FAULT": "corrupt:rank=1,step=2,phase=write"})
+    assert "injected fault: corrupt on rank 1 at step 2" in results[1].output
+    assert "step 2 is not uploaded" in results[1].output and "checksum mismatch" in results[1].output
+    assert remote_steps(remote, {}) == [1, 3, 4]
+    assert os.path.exists(tmp_path / "node1" / ".bad" / "step-0000000002")
+    assert not os.path.exists(tmp_path / "remote" / "step-0000000002")  # node 0's upload of it removed

@@ -196,13 +196,16 @@ def per_rank_save(a: dict) -> None:
 
 def saves_on_own_nodes(a: dict) -> None:
     """Each rank its own node (its own local root, so each is its node's leader) and its
-    own data: steps ``a["first"]`` (1) to ``a["steps"]`` committed on the local tier only."""
+    own data: steps ``a["first"]`` (1) to ``a["steps"]`` committed on the local tier, and
+    uploaded to ``a["remote"]`` when given."""
     from resilient import PerRank
 
     rank, world = init()
-    with Checkpointer(os.path.join(a["root"], f"node{rank}"), keep=None) as ckpt:
+    with Checkpointer(os.path.join(a["root"], f"node{rank}"), keep=None, remote=a.get("remote")) as ckpt:
         for step in range(a.get("first", 1), a["steps"] + 1):
             ckpt.save(step, {"mine": PerRank(torch.full((100_000,), float(10 * rank + step)))}, force=True)
+        if a.get("remote"):
+            ckpt.flush(timeout=60)
 
 
 def per_rank_restore(a: dict) -> None:
