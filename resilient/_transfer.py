@@ -16,12 +16,12 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 from ._catalog import READ_SPAN, Catalog, spans
 from ._chunk_table import footer_bytes
 from ._chunkio import pwrite_all
-from ._format import MANIFEST, step_dir_name
+from ._format import CHECKED_SUFFIX, MANIFEST, step_dir_name
 from ._local import LocalTier
 from ._storage import LocalStorage, Storage
 
@@ -39,6 +39,7 @@ def copy_step(
     skip_present: bool = False,
     only_present: bool = False,
     commit: bool = True,
+    mark_checked: bool = False,
     workers: int = 4,
 ) -> int:
     """Copy committed ``step`` from ``src`` to ``dst``; return the bytes copied.
@@ -47,6 +48,8 @@ def copy_step(
     copied again (a resumed upload, a partly filled local tier). ``only_present``: copy
     just the files the source holds (a node-local tier holds its own ranks' files).
     ``commit``: write the manifest last; without it the step stays uncommitted there.
+    ``mark_checked``: give each file its ``CHECKED_SUFFIX`` marker once its checksums have
+    passed, for the rank that commits the step from other nodes' uploads (``has_all_files``).
     """
     manifest, commit_record = src.manifest_and_record(step)
     sdir = step_dir_name(step)
@@ -82,11 +85,16 @@ def copy_step(
                 report(len(footer))
             yield memoryview(footer)
 
+        marks = mark_checked and isinstance(src.storage, LocalStorage)  # another rank commits
         if skip_present and present.get(fname) == record["bytes"]:
+            if marks and f"{fname}{CHECKED_SUFFIX}" in present:
+                return 0
             if isinstance(src.storage, LocalStorage):
                 # it may be an upload whose checksums failed beside it, the process dying
                 # before it deleted it: what is committed there was read here and checked
                 _checked_or_removed(lambda: _drain(stream()), dst, path)
+            if marks:
+                dst.write(f"{path}{CHECKED_SUFFIX}", [b""])
             return 0
         if isinstance(src.storage, LocalStorage):
             # the backend uploads the file its own way (S3: concurrent multipart) while its
@@ -99,6 +107,8 @@ def copy_step(
         size = dst.size(path)
         if size != record["bytes"]:
             raise OSError(f"{dst.url}/{path}: wrote {size} bytes, expected {record['bytes']}")
+        if marks:  # after the check and the size: what the committing rank waits for
+            dst.write(f"{path}{CHECKED_SUFFIX}", [b""])
         return size
 
     files = list(manifest["files"].items())
@@ -208,7 +218,8 @@ def _put_checked(check: Callable[[], None], dst: Storage, local_path: str, path:
     Why beside and not first: checking 0.5 GB takes 0.4-0.6 s of one core here, which an
     upload waited for; against an object store as fast as the disk that halves the upload's
     throughput. Nothing unchecked can be committed: the commit record is written after every
-    file's ``copy_step`` returns, and a file left behind by a process that died before
+    file's ``copy_step`` returns (by rank 0, for other nodes' files, once each has its
+    ``CHECKED_SUFFIX`` marker), and a file left behind by a process that died before
     deleting it is checked again before a later copy counts it as present. A copy to a local
     directory is checked first: it is no slower than the check, and a bad file then leaves
     not even its step's directory behind."""
@@ -251,11 +262,17 @@ def commit_step(src: Catalog, dst: Storage, step: int, record: bytes | None = No
     Catalog(dst).clear_bad(step)
 
 
-def has_all_files(catalog: Catalog, manifest: dict) -> bool:
+def has_all_files(catalog: Catalog, manifest: dict, *, vouched: Collection[str] | None = None) -> bool:
     """Whether every data file of ``manifest`` is on ``catalog``'s storage at its size (one
-    listing: rank 0 asks this of the object store until every node's files are up)."""
+    listing: rank 0 asks this of the object store until every node's files are up).
+
+    With ``vouched`` (the files the caller uploaded and checked itself), every other file
+    must also carry its uploader's ``CHECKED_SUFFIX`` marker. Without it, rank 0 could
+    commit a file whose check, beside its upload, was still running and then failed: a
+    committed step with a file deleted from under it."""
     sizes = _sizes(catalog.storage, step_dir_name(manifest["step"]))
-    return all(sizes.get(f) == r["bytes"] for f, r in manifest["files"].items())
+    return all(sizes.get(f) == r["bytes"] and (vouched is None or f in vouched or f"{f}{CHECKED_SUFFIX}" in sizes)
+               for f, r in manifest["files"].items())
 
 
 def _sizes(storage: Storage, path: str) -> dict[str, int]:

@@ -534,7 +534,8 @@ def test_what_nodes_uploaded_of_a_step_given_up_is_removed_once_a_later_step_com
             "step-0000000001", "step-0000000002"]  # node 0's files, uncommitted
         uploaders.append(uploader(1))
         uploaders[1].flush(timeout=30)
-        assert len(os.listdir(tmp_path / "remote" / "step-0000000001")) == 2  # both nodes' files now
+        data = [n for n in os.listdir(tmp_path / "remote" / "step-0000000001") if n.endswith(".data")]
+        assert len(data) == 2  # both nodes' files now
         run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "first": 3, "steps": 3})
         for u in uploaders:
             u.enqueue(3)
@@ -549,18 +550,66 @@ def test_what_nodes_uploaded_of_a_step_given_up_is_removed_once_a_later_step_com
     assert len(removed) == 2, removed
 
 
-def test_a_bit_flipped_on_one_nodes_disk_costs_the_remote_tier_that_step_only(tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_bit_flipped_on_one_nodes_disk_costs_the_remote_tier_that_step_only(tmp_path, where, request):
     """End to end, as a run with ``RESILIENT_FAULT=corrupt:...`` shows it: two nodes, each
     its own disk, one remote tier; one bit of node 1's file of step 2 flips once written.
     Every step commits locally; node 1's upload check catches the bit and gives step 2 up,
     rank 0 commits every other step, and both ranks' ``flush()`` return."""
     from .launch import run_ranks
 
-    remote = "file://" + str(tmp_path / "remote")
-    results = run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 4, "remote": remote},
+    if where == "s3":
+        server = request.getfixturevalue("s3_server")
+        remote, options = s3_url(server), server["options"]
+    else:
+        remote, options = "file://" + str(tmp_path / "remote"), {}
+    results = run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 4, "remote": remote,
+                                                  "storage_options": options},
                         env={"RESILIENT_FAULT": "corrupt:rank=1,step=2,phase=write"})
     assert "injected fault: corrupt on rank 1 at step 2" in results[1].output
     assert "step 2 is not uploaded" in results[1].output and "checksum mismatch" in results[1].output
-    assert remote_steps(remote, {}) == [1, 3, 4]
+    fs, base = remote_fs(remote, options)
+    assert remote_steps(remote, options) == [1, 3, 4], (fs.find(base), results[0].output, results[1].output)
     assert os.path.exists(tmp_path / "node1" / ".bad" / "step-0000000002")
-    assert not os.path.exists(tmp_path / "remote" / "step-0000000002")  # node 0's upload of it removed
+    assert _remote_files(remote, options, 2) == []  # node 0's upload of it removed
+
+
+def test_rank_0_commits_a_step_only_once_every_file_has_passed_its_check(tmp_path):
+    """A node uploads a file while its checksums are checked from its disk: the file is in
+    the bucket at its full size before the check has passed, and is deleted again if it
+    fails. Rank 0 used to commit as soon as every file was there at its size, so it could
+    commit a file about to be deleted (seen once in ten runs of the test above on S3). Now
+    it waits for each file's marker, which its node writes once the check has passed."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+    from resilient._uploader import Uploader
+
+    from .launch import run_ranks
+
+    remote = "file://" + str(tmp_path / "remote")
+    nodes = []
+    for n in (0, 1):
+        os.makedirs(tmp_path / f"node{n}")
+        nodes.append(Catalog(open_storage(str(tmp_path / f"node{n}"))))
+    uploaders = [Uploader(nodes[n], open_storage(remote), commits=n == 0, keep_remote=None,
+                          on_uploaded=lambda step, seconds: None) for n in (0, 1)]
+    try:
+        for u in uploaders:
+            u.flush(timeout=30)
+        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 1})
+        (name,) = [f for f in os.listdir(tmp_path / "node1" / "step-0000000001") if f.endswith(".data")]
+        # node 1's upload of it is complete; its check, beside it, is still running
+        os.makedirs(tmp_path / "remote" / "step-0000000001")
+        shutil.copy(tmp_path / "node1" / "step-0000000001" / name, tmp_path / "remote" / "step-0000000001" / name)
+        uploaders[0].enqueue(1)
+        with pytest.raises(TimeoutError):
+            uploaders[0].flush(timeout=3)
+        assert remote_steps(remote, {}) == []
+        uploaders[1].enqueue(1)  # node 1's uploader: the file is there at its size, checked now, marked
+        for u in uploaders:
+            u.flush(timeout=30)
+    finally:
+        for u in uploaders:
+            u.close()
+    assert remote_steps(remote, {}) == [1]
+    assert os.path.exists(tmp_path / "remote" / "step-0000000001" / f"{name}.checked")

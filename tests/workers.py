@@ -201,7 +201,8 @@ def saves_on_own_nodes(a: dict) -> None:
     from resilient import PerRank
 
     rank, world = init()
-    with Checkpointer(os.path.join(a["root"], f"node{rank}"), keep=None, remote=a.get("remote")) as ckpt:
+    with Checkpointer(os.path.join(a["root"], f"node{rank}"), keep=None, remote=a.get("remote"),
+                      storage_options=a.get("storage_options")) as ckpt:
         for step in range(a.get("first", 1), a["steps"] + 1):
             ckpt.save(step, {"mine": PerRank(torch.full((100_000,), float(10 * rank + step)))}, force=True)
         if a.get("remote"):
