@@ -73,10 +73,11 @@ READ_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
-#: on a remote tier, ``<step>/<data file>.checked`` (empty): a node uploaded that file and its
-#: checksums passed. Rank 0 commits a step only once every file has one: the upload runs
-#: beside the check, so a file at its full size may still prove bad and be deleted again.
-CHECKED_SUFFIX = ".checked"
+#: on a remote tier, ``<step>/<data file>.checked-<id>`` (empty): the uploader of that file
+#: checked its checksums and ``<id>`` names what it uploaded (``_transfer.checked_marker``).
+#: Rank 0 commits a step only once every file has its marker: the upload runs beside the
+#: check, so a file at its full size may still prove bad and be deleted again.
+CHECKED_SUFFIX = ".checked-"
 #: the most bytes a rank's encoded generator states (``_rng``) may take in its data file (a
 #: manifest asking to read more is refused before anything is read): 11 kB on a CPU, 16 more
 #: a CUDA device

@@ -9,14 +9,16 @@ complete, so a reader of the destination never sees a half-copied step as commit
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import shutil
 import threading
 import time
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Collection, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ._catalog import READ_SPAN, Catalog, spans
 from ._chunk_table import footer_bytes
@@ -48,8 +50,9 @@ def copy_step(
     copied again (a resumed upload, a partly filled local tier). ``only_present``: copy
     just the files the source holds (a node-local tier holds its own ranks' files).
     ``commit``: write the manifest last; without it the step stays uncommitted there.
-    ``mark_checked``: give each file its ``CHECKED_SUFFIX`` marker once its checksums have
-    passed, for the rank that commits the step from other nodes' uploads (``has_all_files``).
+    ``mark_checked``: give each file its ``checked_marker`` once its checksums have passed,
+    for the rank that commits the step from the nodes' uploads (``has_all_files``); a file
+    already there is then kept only with its marker, and uploaded again otherwise.
     """
     manifest, commit_record = src.manifest_and_record(step)
     sdir = step_dir_name(step)
@@ -85,16 +88,15 @@ def copy_step(
                 report(len(footer))
             yield memoryview(footer)
 
-        marks = mark_checked and isinstance(src.storage, LocalStorage)  # another rank commits
-        if skip_present and present.get(fname) == record["bytes"]:
-            if marks and f"{fname}{CHECKED_SUFFIX}" in present:
-                return 0
+        marks = mark_checked and isinstance(src.storage, LocalStorage)
+        marker = checked_marker(fname, record)
+        if marks and skip_present and marker in present:
+            return 0  # this very file, uploaded and checked before
+        if not marks and skip_present and present.get(fname) == record["bytes"]:
             if isinstance(src.storage, LocalStorage):
                 # it may be an upload whose checksums failed beside it, the process dying
                 # before it deleted it: what is committed there was read here and checked
                 _checked_or_removed(lambda: _drain(stream()), dst, path)
-            if marks:
-                dst.write(f"{path}{CHECKED_SUFFIX}", [b""])
             return 0
         if isinstance(src.storage, LocalStorage):
             # the backend uploads the file its own way (S3: concurrent multipart) while its
@@ -108,7 +110,7 @@ def copy_step(
         if size != record["bytes"]:
             raise OSError(f"{dst.url}/{path}: wrote {size} bytes, expected {record['bytes']}")
         if marks:  # after the check and the size: what the committing rank waits for
-            dst.write(f"{path}{CHECKED_SUFFIX}", [b""])
+            dst.write(f"{sdir}/{marker}", [b""])
         return size
 
     files = list(manifest["files"].items())
@@ -218,8 +220,8 @@ def _put_checked(check: Callable[[], None], dst: Storage, local_path: str, path:
     Why beside and not first: checking 0.5 GB takes 0.4-0.6 s of one core here, which an
     upload waited for; against an object store as fast as the disk that halves the upload's
     throughput. Nothing unchecked can be committed: the commit record is written after every
-    file's ``copy_step`` returns (by rank 0, for other nodes' files, once each has its
-    ``CHECKED_SUFFIX`` marker), and a file left behind by a process that died before
+    file's ``copy_step`` returns (by rank 0, for the nodes' uploads, once each file has its
+    ``checked_marker``), and a file left behind by a process that died before
     deleting it is checked again before a later copy counts it as present. A copy to a local
     directory is checked first: it is no slower than the check, and a bad file then leaves
     not even its step's directory behind."""
@@ -262,16 +264,27 @@ def commit_step(src: Catalog, dst: Storage, step: int, record: bytes | None = No
     Catalog(dst).clear_bad(step)
 
 
-def has_all_files(catalog: Catalog, manifest: dict, *, vouched: Collection[str] | None = None) -> bool:
+def checked_marker(fname: str, record: dict) -> str:
+    """The name of the empty object that says ``fname``, as ``record`` (its manifest entry:
+    size and checksums) describes it, was uploaded and checked.
+
+    Why the record's digest is in the name: a step number can be saved again after a
+    fallback, with files of the same names and sizes. A marker or file left by the earlier
+    save then does not pass for the new one, and a listing alone tells them apart."""
+    digest = zlib.crc32(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+    return f"{fname}{CHECKED_SUFFIX}{digest:08x}"
+
+
+def has_all_files(catalog: Catalog, manifest: dict, *, checked: bool = False) -> bool:
     """Whether every data file of ``manifest`` is on ``catalog``'s storage at its size (one
     listing: rank 0 asks this of the object store until every node's files are up).
 
-    With ``vouched`` (the files the caller uploaded and checked itself), every other file
-    must also carry its uploader's ``CHECKED_SUFFIX`` marker. Without it, rank 0 could
-    commit a file whose check, beside its upload, was still running and then failed: a
-    committed step with a file deleted from under it."""
+    With ``checked``, each must also have its ``checked_marker``. Without it, rank 0 could
+    commit a file whose check, beside its upload, was still running and then failed (a
+    committed step with a file deleted from under it), or a file of the same name and size
+    an earlier save of that step number left."""
     sizes = _sizes(catalog.storage, step_dir_name(manifest["step"]))
-    return all(sizes.get(f) == r["bytes"] and (vouched is None or f in vouched or f"{f}{CHECKED_SUFFIX}" in sizes)
+    return all(sizes.get(f) == r["bytes"] and (not checked or checked_marker(f, r) in sizes)
                for f, r in manifest["files"].items())
 
 

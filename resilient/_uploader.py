@@ -24,7 +24,6 @@ from typing import Callable
 from ._background import jitter, yield_to_training
 from ._catalog import COMMITTED, Catalog
 from ._errors import CheckpointCorruptError
-from ._format import step_dir_name
 from ._metrics import record
 from ._policy import RetentionPolicy, to_delete
 from ._storage import Storage
@@ -279,17 +278,12 @@ class Uploader:
                               step, self.remote.storage.url)
 
     def _upload_own(self, step: int) -> None:
-        # rank 0 vouches for its own files (``_own_files``); other nodes mark theirs
         self.uploaded_bytes += copy_step(self.local, self.remote.storage, step, skip_present=True,
-                                         only_present=True, commit=False, mark_checked=not self.commits)
-
-    def _own_files(self, step: int) -> set[str]:
-        """The data files this node holds of ``step``: what ``_upload_own`` uploaded and checked."""
-        return set(self.local.storage.sizes(step_dir_name(step)))
+                                         only_present=True, commit=False, mark_checked=True)
 
     def _complete_remotely(self, step: int) -> bool:
         """Commit an inherited step remotely if every node's files are there; else give it up."""
-        if has_all_files(self.remote, self.local.manifest(step), vouched=self._own_files(step)):
+        if has_all_files(self.remote, self.local.manifest(step), checked=True):
             commit_step(self.local, self.remote.storage, step)
             return True
         log.warning("resilient: step %d, written by an earlier gang, cannot be completed on %s: "
@@ -312,8 +306,7 @@ class Uploader:
         self._upload_own(step)
         # rank 0 commits once every node's files are up (other leaders upload their own),
         # unless a node gives the step up meanwhile (``_corrupt_here``)
-        own = self._own_files(step)
-        while not has_all_files(self.remote, manifest, vouched=own):
+        while not has_all_files(self.remote, manifest, checked=True):
             if given_up():
                 raise _GivenUpElsewhere(step)
             with self._cond:

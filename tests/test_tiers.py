@@ -442,7 +442,8 @@ def test_an_uploaded_file_is_checked_again_before_a_later_upload_counts_it_as_th
         ckpt.save(1, {"w": torch.arange(300_000, dtype=torch.float32)})
         ckpt.flush(timeout=60)
     fs, base = remote_fs(url, opts)
-    fs.rm(f"{base}/step-0000000001/manifest.json")  # uncommitted there
+    # uncommitted there, and without the marker that a passed check would have left
+    fs.rm([f"{base}/step-0000000001/{name}" for name in _remote_files(url, opts, 1) if name != "rank-00000.data"])
     assert _remote_files(url, opts, 1) == ["rank-00000.data"] and remote_steps(url, opts) == []
     flip_byte(str(root / "step-0000000001" / "rank-00000.data"), 4096)
     with Checkpointer(root, remote=url, storage_options=opts) as ckpt:
@@ -612,4 +613,27 @@ def test_rank_0_commits_a_step_only_once_every_file_has_passed_its_check(tmp_pat
         for u in uploaders:
             u.close()
     assert remote_steps(remote, {}) == [1]
-    assert os.path.exists(tmp_path / "remote" / "step-0000000001" / f"{name}.checked")
+    assert [n for n in os.listdir(tmp_path / "remote" / "step-0000000001") if n.startswith(f"{name}.checked-")]
+
+
+def test_a_step_saved_again_after_a_fallback_replaces_what_its_earlier_save_uploaded(tmp_path, s3_server):
+    """Step 1 is committed remotely, then found bad there; the job falls back and saves step
+    1 again, different values in files of the same names and sizes. The upload used to keep
+    the earlier save's file (there at its size) under the new commit record, so the remote
+    copy failed its checksums. The checked marker names the file's checksums: the new file
+    is uploaded, and the remote step reads back as the new save."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+
+    url, opts = s3_url(s3_server), s3_server["options"]
+    with Checkpointer(tmp_path / "first", remote=url, storage_options=opts) as ckpt:
+        ckpt.save(1, {"w": torch.ones(100_000)}, force=True)
+        ckpt.flush(timeout=60)
+    remote = Catalog(open_storage(url, opts))
+    remote.mark_bad(1, "failed verification when restored: checksum mismatch")
+    with Checkpointer(tmp_path / "again", remote=url, storage_options=opts) as ckpt:
+        ckpt.save(1, {"w": torch.full((100_000,), 2.0)}, force=True)
+        ckpt.flush(timeout=60)
+    assert remote_steps(url, opts) == [1]
+    _, tensors = remote.read_state(remote.manifest(1), 1)
+    assert torch.equal(tensors["w"], torch.full((100_000,), 2.0))
