@@ -75,7 +75,11 @@ class Uploader:
         self._queued_at: dict[int, float] = {}
         self._done: set[int] = set()
         # steps found on the local tier at start, written by an earlier gang: other nodes'
-        # files may never come (that node is gone), so they are not waited for
+        # files may never come (that node is gone), so they are not waited for. Listed here,
+        # before this process can save: a step committed while the thread below still lists
+        # the remote tier is this gang's, and was taken for an earlier gang's (rank 0 then
+        # gave it up when the other nodes' files were not up yet)
+        self._found_at_start = self._local_steps()
         self._inherited: set[int] = set()
         # rank 0: steps given up, whose uploaded files go once a later step is committed
         self._abandoned: set[int] = set()
@@ -84,6 +88,12 @@ class Uploader:
         self._caught_up = False
         self._thread = threading.Thread(target=self._loop, name="resilient-uploader", daemon=True)
         self._thread.start()
+
+    def _local_steps(self) -> list[int]:
+        try:
+            return self.local.steps()
+        except FileNotFoundError:  # the root is made by the first save
+            return []
 
     # -- called by the Checkpointer ----------------------------------------------------------
     def enqueue(self, step: int) -> None:
@@ -166,7 +176,7 @@ class Uploader:
         bad_here = self.local.bad_steps()  # given up already (or failed a restore): no upload mends it
         with self._cond:
             self._done |= committed_remote | set(bad_here)  # settled, as a step given up now is
-            for step in self.local.steps():
+            for step in self._found_at_start:
                 if step not in committed_remote and step not in bad_here and step not in self._queue:
                     self._queue.append(step)
                     self._inherited.add(step)

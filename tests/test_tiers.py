@@ -637,3 +637,41 @@ def test_a_step_saved_again_after_a_fallback_replaces_what_its_earlier_save_uplo
     assert remote_steps(url, opts) == [1]
     _, tensors = remote.read_state(remote.manifest(1), 1)
     assert torch.equal(tensors["w"], torch.full((100_000,), 2.0))
+
+
+def test_a_step_committed_while_the_uploader_lists_the_remote_tier_is_this_gangs(tmp_path, flaky):
+    """Rank 0's uploader lists the remote tier when it starts, and a step committed by then
+    was taken for one an earlier gang left: rank 0 then did not wait for the other nodes'
+    files and gave the step up (seen once in the bit-flip test above on S3). Only the steps
+    on the local tier when the uploader is made are an earlier gang's."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+    from resilient._uploader import Uploader
+
+    from .launch import run_ranks
+
+    FlakyFS.broken = True  # the remote tier does not answer yet: the first listing is retried
+    nodes = []
+    for n in (0, 1):
+        os.makedirs(tmp_path / f"node{n}")
+        nodes.append(Catalog(open_storage(str(tmp_path / f"node{n}"))))
+    rank0 = Uploader(nodes[0], open_storage(flaky), commits=True, keep_remote=None,
+                     on_uploaded=lambda step, seconds: None, base_delay=0.05, max_delay=0.1)
+    node1 = None
+    try:
+        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 1})  # committed locally
+        FlakyFS.broken = False
+        rank0.flush(timeout=30)  # caught up: nothing of its own to do
+        rank0.enqueue(1)  # as its Checkpointer does after the commit
+        with pytest.raises(TimeoutError):
+            rank0.flush(timeout=2)  # waits for node 1's files
+        node1 = Uploader(nodes[1], open_storage(flaky), commits=False, keep_remote=None,
+                         on_uploaded=lambda step, seconds: None)
+        node1.enqueue(1)
+        for u in (node1, rank0):
+            u.flush(timeout=30)
+    finally:
+        for u in (rank0, node1):
+            if u is not None:
+                u.close()
+    assert remote_steps(flaky, {}) == [1]
