@@ -460,6 +460,45 @@ def test_an_uploaded_file_is_checked_again_before_a_later_upload_counts_it_as_th
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
 
 
+def _empty_nodes(tmp_path):
+    """Two nodes' local tiers (``node0``, ``node1``), made empty, as their uploaders read them."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+
+    for n in (0, 1):
+        os.makedirs(tmp_path / f"node{n}", exist_ok=True)
+    return [Catalog(open_storage(str(tmp_path / f"node{n}"))) for n in (0, 1)]
+
+
+def _saved_on_two_nodes(tmp_path, remote, steps):
+    """Two nodes whose uploaders started first (nothing to catch up on: each step comes by
+    ``enqueue``, as from its Checkpointer), then steps 1 to ``steps`` committed on both:
+    (their catalogs, their uploaders, node 1's data file's name). Not yet enqueued."""
+    from .launch import run_ranks
+
+    nodes = _empty_nodes(tmp_path)
+    uploaders = [_uploader(nodes[n], remote, n) for n in (0, 1)]
+    try:
+        for uploader in uploaders:
+            uploader.flush(timeout=30)
+        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": steps})
+    except BaseException:
+        for uploader in uploaders:
+            uploader.close()
+        raise
+    (name,) = [f for f in os.listdir(tmp_path / "node1" / "step-0000000001") if f.endswith(".data")]
+    return nodes, uploaders, name
+
+
+def _uploader(catalog, remote, node, **options):
+    """A node's uploader as its Checkpointer makes it (node 0: rank 0's, which commits)."""
+    from resilient._storage import open_storage
+    from resilient._uploader import Uploader
+
+    return Uploader(catalog, open_storage(remote), commits=node == 0, keep_remote=None,
+                    on_uploaded=lambda step, seconds: None, **options)
+
+
 def test_rank_0_does_not_wait_forever_for_a_step_another_node_gave_up(tmp_path, caplog):
     """Two nodes' leaders upload the same three steps; node 1's local copy of step 2 fails its
     checksums, so node 1 gives step 2 up. Rank 0, which commits each step once every node's
@@ -468,28 +507,15 @@ def test_rank_0_does_not_wait_forever_for_a_step_another_node_gave_up(tmp_path, 
     marker, naming that save), rank 0 gives step 2 up too and commits step 3."""
     from resilient._catalog import Catalog
     from resilient._storage import open_storage
-    from resilient._uploader import Uploader
 
     from .faults import flip_byte
-    from .launch import run_ranks
 
     remote = "file://" + str(tmp_path / "remote")
     # a marker an earlier save of step 3 left (failed verification once committed): not this save's
     Catalog(open_storage(remote)).mark_bad(3, "failed verification when restored: checksum mismatch")
-    nodes = []
-    for n in (0, 1):
-        os.makedirs(tmp_path / f"node{n}")
-        nodes.append(Catalog(open_storage(str(tmp_path / f"node{n}"))))
-    # each node's uploader as its Checkpointer starts one: found nothing to catch up on, then
-    # is handed each step once committed
-    uploaders = [Uploader(nodes[n], open_storage(remote), commits=n == 0, keep_remote=None,
-                          on_uploaded=lambda step, seconds: None) for n in (0, 1)]
+    nodes, uploaders, bad_file = _saved_on_two_nodes(tmp_path, remote, 3)
     try:
-        for uploader in uploaders:
-            uploader.flush(timeout=30)
-        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 3})
         assert nodes[0].manifest(2)["created"] == nodes[1].manifest(2)["created"]  # one commit record
-        (bad_file,) = [f for f in os.listdir(tmp_path / "node1" / "step-0000000002") if f.endswith(".data")]
         flip_byte(str(tmp_path / "node1" / "step-0000000002" / bad_file), 4096)
         for uploader in uploaders:
             for step in (1, 2, 3):
@@ -514,26 +540,18 @@ def test_what_nodes_uploaded_of_a_step_given_up_is_removed_once_a_later_step_com
     uploads its own files of them too. Once step 3, saved by this gang, is committed, every
     node is past steps 1 and 2 (each uploads in order): what is left of them in the bucket
     is deleted instead of staying there for good."""
-    from resilient._catalog import Catalog
-    from resilient._storage import open_storage
-    from resilient._uploader import Uploader
 
     from .launch import run_ranks
 
     run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 2})
     remote = "file://" + str(tmp_path / "remote")
-    nodes = [Catalog(open_storage(str(tmp_path / f"node{n}"))) for n in (0, 1)]
-
-    def uploader(n):
-        return Uploader(nodes[n], open_storage(remote), commits=n == 0, keep_remote=None,
-                        on_uploaded=lambda step, seconds: None)
-
-    uploaders = [uploader(0)]
+    nodes = _empty_nodes(tmp_path)
+    uploaders = [_uploader(nodes[0], remote, 0)]
     try:
         uploaders[0].flush(timeout=30)
         assert remote_steps(remote, {}) == [] and sorted(os.listdir(tmp_path / "remote")) == [
             "step-0000000001", "step-0000000002"]  # node 0's files, uncommitted
-        uploaders.append(uploader(1))
+        uploaders.append(_uploader(nodes[1], remote, 1))
         uploaders[1].flush(timeout=30)
         data = [n for n in os.listdir(tmp_path / "remote" / "step-0000000001") if n.endswith(".data")]
         assert len(data) == 2  # both nodes' files now
@@ -581,24 +599,9 @@ def test_rank_0_commits_a_step_only_once_every_file_has_passed_its_check(tmp_pat
     fails. Rank 0 used to commit as soon as every file was there at its size, so it could
     commit a file about to be deleted (seen once in ten runs of the test above on S3). Now
     it waits for each file's marker, which its node writes once the check has passed."""
-    from resilient._catalog import Catalog
-    from resilient._storage import open_storage
-    from resilient._uploader import Uploader
-
-    from .launch import run_ranks
-
     remote = "file://" + str(tmp_path / "remote")
-    nodes = []
-    for n in (0, 1):
-        os.makedirs(tmp_path / f"node{n}")
-        nodes.append(Catalog(open_storage(str(tmp_path / f"node{n}"))))
-    uploaders = [Uploader(nodes[n], open_storage(remote), commits=n == 0, keep_remote=None,
-                          on_uploaded=lambda step, seconds: None) for n in (0, 1)]
+    _, uploaders, name = _saved_on_two_nodes(tmp_path, remote, 1)
     try:
-        for u in uploaders:
-            u.flush(timeout=30)
-        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 1})
-        (name,) = [f for f in os.listdir(tmp_path / "node1" / "step-0000000001") if f.endswith(".data")]
         # node 1's upload of it is complete; its check, beside it, is still running
         os.makedirs(tmp_path / "remote" / "step-0000000001")
         shutil.copy(tmp_path / "node1" / "step-0000000001" / name, tmp_path / "remote" / "step-0000000001" / name)
@@ -644,19 +647,12 @@ def test_a_step_committed_while_the_uploader_lists_the_remote_tier_is_this_gangs
     was taken for one an earlier gang left: rank 0 then did not wait for the other nodes'
     files and gave the step up (seen once in the bit-flip test above on S3). Only the steps
     on the local tier when the uploader is made are an earlier gang's."""
-    from resilient._catalog import Catalog
-    from resilient._storage import open_storage
-    from resilient._uploader import Uploader
 
     from .launch import run_ranks
 
     FlakyFS.broken = True  # the remote tier does not answer yet: the first listing is retried
-    nodes = []
-    for n in (0, 1):
-        os.makedirs(tmp_path / f"node{n}")
-        nodes.append(Catalog(open_storage(str(tmp_path / f"node{n}"))))
-    rank0 = Uploader(nodes[0], open_storage(flaky), commits=True, keep_remote=None,
-                     on_uploaded=lambda step, seconds: None, base_delay=0.05, max_delay=0.1)
+    nodes = _empty_nodes(tmp_path)
+    rank0 = _uploader(nodes[0], flaky, 0, base_delay=0.05, max_delay=0.1)
     node1 = None
     try:
         run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 1})  # committed locally
@@ -665,8 +661,7 @@ def test_a_step_committed_while_the_uploader_lists_the_remote_tier_is_this_gangs
         rank0.enqueue(1)  # as its Checkpointer does after the commit
         with pytest.raises(TimeoutError):
             rank0.flush(timeout=2)  # waits for node 1's files
-        node1 = Uploader(nodes[1], open_storage(flaky), commits=False, keep_remote=None,
-                         on_uploaded=lambda step, seconds: None)
+        node1 = _uploader(nodes[1], flaky, 1)
         node1.enqueue(1)
         for u in (node1, rank0):
             u.flush(timeout=30)
