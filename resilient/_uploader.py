@@ -307,17 +307,12 @@ class Uploader:
             return
         manifest = self.local.manifest(step)
         mark = _given_up_mark(manifest)
-
-        def given_up() -> bool:
-            return (self.remote.bad_reason(step) or "").startswith(mark)
-
-        if given_up():
-            raise _GivenUpElsewhere(step)
         self._upload_own(step)
         # rank 0 commits once every node's files are up (other leaders upload their own),
-        # unless a node gives the step up meanwhile (``_corrupt_here``)
+        # unless a node gives the step up (``_corrupt_here``): asked only while files are
+        # missing, so a step whose files are all up costs no request for it
         while not has_all_files(self.remote, manifest, checked=True):
-            if given_up():
+            if (self.remote.bad_reason(step) or "").startswith(mark):
                 raise _GivenUpElsewhere(step)
             with self._cond:
                 if self._closed:
