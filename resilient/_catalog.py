@@ -131,8 +131,8 @@ class Catalog:
         sdir = step_dir_name(step)
         if not self.is_committed(step):
             return Entry(step, PARTIAL, "no commit record (manifest.json)")
-        if step in self.bad_steps():
-            reason = self.storage.read(f"{BAD_DIR}/{sdir}", 0, BAD_REASON_BYTES).decode(errors="replace")
+        reason = self.bad_reason(step)
+        if reason is not None:
             return Entry(step, CORRUPT, f"failed verification when restored: {reason}")
         try:
             manifest = self.manifest(step)
