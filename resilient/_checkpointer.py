@@ -33,9 +33,9 @@ from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng, parse_rng
 from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
 from ._storage import LocalStorage, Storage, open_storage
-from ._transfer import ProgressLog, copy_step, has_all_files
+from ._transfer import ProgressLog, copy_step, missing_files
 from ._tree import Flattened, flatten_state
-from ._uploader import Uploader
+from ._uploader import Holdings, Uploader, files_held
 from ._faults import from_env as faults_from_env
 from ._fence import STAGING_MODES, SnapshotDone, deferred_sources, open_all, optimizer_storages
 from ._watchdog import from_env as watchdog_from_env
@@ -273,7 +273,16 @@ class Checkpointer:
                 self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])
             for path in self._tier.put_back_replaced():
                 log.warning("resilient: %s was being replaced when a process died; the previous copy is back", path)
-        self._coord.barrier()
+        self._local_catalog = Catalog(self._local_storage)
+        # once every leader has put its files back (the gather is the barrier): which files
+        # of the steps on the local tiers the gang's nodes hold, and their uploaders will send,
+        # so that the uploaders wait for those and give up only files whose node was lost
+        if remote is None:
+            self._coord.barrier()
+            holdings = Holdings()
+        else:  # every rank passed the same remote (refused above otherwise): all take this branch
+            holdings = Holdings.gathered(self._coord.all_gather(
+                files_held(self._local_catalog) if self._coord.is_leader else None))
 
         # in-process recoveries (see ``_elastic``) keep the process: the generation tells
         # one incarnation of the gang from the next in the event log
@@ -316,7 +325,6 @@ class Checkpointer:
             written=self._faults.check_write if self._faults is not None else None,
         )
         self._retention_lock = threading.Lock()
-        self._local_catalog = Catalog(self._local_storage)
         self._uploaded_bytes_seen = 0
         self._closed = False
         # last: the uploader's thread calls back into this object (``_on_uploaded``) as soon
@@ -326,10 +334,11 @@ class Checkpointer:
             self._uploader = Uploader(
                 self._local_catalog,
                 self._remote,
-                commits=self._coord.rank == 0,
+                rank=self._coord.rank,
                 keep_remote=self._keep_remote,
                 on_uploaded=self._on_uploaded,
                 protect=self._protected,
+                holdings=holdings,
             )
             if metrics_enabled():
                 uploader, m = self._uploader, metrics()
@@ -695,7 +704,7 @@ class Checkpointer:
             return None
         try:
             local_has = step in self._tier.committed_steps()
-            if local_has and has_all_files(self._local_catalog, self._tier.read_manifest(step)):
+            if local_has and not missing_files(self._local_catalog, self._tier.read_manifest(step)):
                 return None
             try:
                 if self._memory is not None and self._from_memory(step):

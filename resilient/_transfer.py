@@ -27,7 +27,7 @@ from ._format import CHECKED_SUFFIX, MANIFEST, step_dir_name
 from ._local import LocalTier
 from ._storage import LocalStorage, Storage
 
-__all__ = ["copy_step", "commit_step", "has_all_files", "ProgressLog"]
+__all__ = ["copy_step", "commit_step", "missing_files", "ProgressLog"]
 
 log = logging.getLogger("resilient")
 
@@ -51,7 +51,7 @@ def copy_step(
     just the files the source holds (a node-local tier holds its own ranks' files).
     ``commit``: write the manifest last; without it the step stays uncommitted there.
     ``mark_checked``: give each file its ``checked_marker`` once its checksums have passed,
-    for the rank that commits the step from the nodes' uploads (``has_all_files``); a file
+    for the rank that commits the step from the nodes' uploads (``missing_files``); a file
     already there is then kept only with its marker, and uploaded again otherwise.
     """
     manifest, commit_record = src.manifest_and_record(step)
@@ -275,17 +275,17 @@ def checked_marker(fname: str, record: dict) -> str:
     return f"{fname}{CHECKED_SUFFIX}{digest:08x}"
 
 
-def has_all_files(catalog: Catalog, manifest: dict, *, checked: bool = False) -> bool:
-    """Whether every data file of ``manifest`` is on ``catalog``'s storage at its size (one
+def missing_files(catalog: Catalog, manifest: dict, *, checked: bool = False) -> set[str]:
+    """The data files of ``manifest`` not on ``catalog``'s storage at their size (one
     listing: rank 0 asks this of the object store until every node's files are up).
 
-    With ``checked``, each must also have its ``checked_marker``. Without it, rank 0 could
-    commit a file whose check, beside its upload, was still running and then failed (a
-    committed step with a file deleted from under it), or a file of the same name and size
-    an earlier save of that step number left."""
+    With ``checked``, a file without its ``checked_marker`` counts as missing too. Without
+    it, rank 0 could commit a file whose check, beside its upload, was still running and
+    then failed (a committed step with a file deleted from under it), or a file of the same
+    name and size an earlier save of that step number left."""
     sizes = _sizes(catalog.storage, step_dir_name(manifest["step"]))
-    return all(sizes.get(f) == r["bytes"] and (not checked or checked_marker(f, r) in sizes)
-               for f, r in manifest["files"].items())
+    return {f for f, r in manifest["files"].items()
+            if sizes.get(f) != r["bytes"] or (checked and checked_marker(f, r) not in sizes)}
 
 
 def _sizes(storage: Storage, path: str) -> dict[str, int]:

@@ -9,9 +9,12 @@ training never waits, and when the store comes back the backlog drains in order.
 
 What no retry mends is given up instead, so that it never holds later steps back: a step
 whose local copy fails its checksums (the node says so on the remote tier, and rank 0 stops
-waiting for that node's files), and on rank 0 a step an earlier gang left whose other files
-never came. What the nodes uploaded of a step given up is deleted once a later step is
-committed, since commit order means no node still uploads to it.
+waiting for that node's files), and on rank 0 a step an earlier gang left whose missing
+files no node of this gang holds (their node was lost). Rank 0 knows which those are: the
+Checkpointer gives it every node's ``files_held`` when it is made, so it waits for a slow
+surviving node's upload of such a step as for any other. What the nodes uploaded of a step
+given up is deleted once a later step is committed, since commit order means no node still
+uploads to it.
 """
 
 from __future__ import annotations
@@ -19,24 +22,76 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
 
 from ._background import jitter, yield_to_training
 from ._catalog import COMMITTED, Catalog
 from ._errors import CheckpointCorruptError
 from ._metrics import record
+from ._names import data_file_name, parse_data_file, step_dir_name
 from ._policy import RetentionPolicy, to_delete
 from ._storage import Storage
-from ._transfer import commit_step, copy_step, has_all_files
+from ._transfer import commit_step, copy_step, missing_files
 
-__all__ = ["Uploader"]
+__all__ = ["Uploader", "Holdings", "files_held"]
 
 log = logging.getLogger("resilient")
 
 
-class _GivenUpElsewhere(Exception):
-    """Another node gave the step up (its local copy failed its checksums): its files will
-    never come, so rank 0 does not commit the step and goes on to the next."""
+class _GivenUp(Exception):
+    """Rank 0 cannot commit the step remotely, for a reason no retry mends: some node's
+    files of it will never come. It goes on with the next step."""
+
+
+class _GivenUpElsewhere(_GivenUp):
+    def __init__(self, step: int) -> None:
+        super().__init__(f"another node's copy of step {step} failed its checksums and was given up there")
+
+
+class _LostWithItsNode(_GivenUp):
+    def __init__(self, step: int, lost: list[str]) -> None:
+        shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+        super().__init__(f"step {step} was written by an earlier gang, and no node of this gang holds {shown} "
+                         "(their node was lost?)")
+
+
+def files_held(local: Catalog) -> dict[int, list[int]]:
+    """The ranks whose data files this node's local tier holds, for each step committed there
+    and not marked bad: what this node's uploader sends of the steps an earlier gang left.
+    Every node's, gathered (``Holdings``), tell the uploaders which files will come, where
+    they could not tell a slow surviving node from a lost one."""
+    held: dict[int, list[int]] = {}
+    for step in local.committed_steps():
+        try:
+            names = local.storage.sizes(step_dir_name(step))
+        except FileNotFoundError:  # deleted since it was listed
+            continue
+        held[step] = sorted(r for r in map(parse_data_file, names) if r is not None)
+    return held
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What the gang's nodes hold of the steps on their local tiers when the Checkpointer is
+    made: of each step, the data files some node will upload, and the rank that commits it
+    remotely. That is the lowest rank holding it, not rank 0 as for the gang's own steps:
+    a spare that took a lost node's ranks (rank 0's too) holds none of the steps an earlier
+    gang left, and its commit record is on the surviving nodes' disks only."""
+
+    files: dict[int, set[str]] = field(default_factory=dict)
+    committer: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def gathered(cls, per_rank: Sequence[Mapping[int, list[int]] | None]) -> Holdings:
+        """From every rank's ``files_held``, in rank order (None: a rank that is not its
+        node's leader)."""
+        holdings = cls()
+        for rank, held in enumerate(per_rank):
+            for step, ranks in (held or {}).items():
+                holdings.files.setdefault(step, set()).update(map(data_file_name, ranks))
+                holdings.committer.setdefault(step, rank)
+        return holdings
 
 
 def _given_up_mark(manifest: dict) -> str:
@@ -54,16 +109,18 @@ class Uploader:
         local: Catalog,
         remote: Storage,
         *,
-        commits: bool,
+        rank: int,
         keep_remote: RetentionPolicy | None,
         on_uploaded: Callable[[int, float | None], None],
         protect: Callable[[], set[int]] = set,
+        holdings: Holdings | None = None,
         base_delay: float = 0.2,
         max_delay: float = 10.0,
     ) -> None:
         self.local = local
         self.remote = Catalog(remote)
-        self.commits = commits
+        self.rank = rank
+        self.commits = rank == 0  # the gang's own steps, and remote retention
         self.keep_remote = keep_remote
         self.on_uploaded = on_uploaded
         self.protect = protect  # steps remote retention never deletes (see Checkpointer._protected)
@@ -81,6 +138,9 @@ class Uploader:
         # gave it up when the other nodes' files were not up yet)
         self._found_at_start = self._local_steps()
         self._inherited: set[int] = set()
+        # which files of those steps this gang's nodes hold and will upload, and who commits
+        # each (``Holdings``); a missing file no node holds is given up at once
+        self._holdings = holdings or Holdings()
         # rank 0: steps given up, whose uploaded files go once a later step is committed
         self._abandoned: set[int] = set()
         self._cond = threading.Condition()
@@ -176,6 +236,10 @@ class Uploader:
         bad_here = self.local.bad_steps()  # given up already (or failed a restore): no upload mends it
         with self._cond:
             self._done |= committed_remote | set(bad_here)  # settled, as a step given up now is
+            if self.commits:  # steps an earlier gang left that another node commits: if that
+                # node gives one up, what was uploaded of it goes as if rank 0 had (kept if committed)
+                self._abandoned |= {step for step, rank in self._holdings.committer.items()
+                                    if rank != self.rank and step not in committed_remote}
             for step in self._found_at_start:
                 if step not in committed_remote and step not in bad_here and step not in self._queue:
                     self._queue.append(step)
@@ -209,45 +273,46 @@ class Uploader:
             if outcome and self.commits:
                 self._retrying("remote retention", self._retention)
 
+    def _commits(self, step: int) -> bool:
+        """Whether this uploader commits ``step`` remotely: rank 0 the gang's own steps; a
+        step an earlier gang left, the lowest rank holding it (``Holdings``)."""
+        if step in self._inherited and step in self._holdings.committer:
+            return self._holdings.committer[step] == self.rank
+        return self.commits
+
     def _remove_abandoned(self, committed: int) -> None:
         """Rank 0, once ``committed`` is committed remotely: delete what the nodes uploaded
         of the steps before it that were given up (a node's bad copy, a node lost before it
         uploaded). Every node uploads in commit order and ``committed`` needed every node's
-        files, so no node uploads to those steps any more; left alone, each failure would
-        leave its share of a checkpoint in the bucket for good."""
+        files, so no node uploads to those steps any more, nor still commits one an earlier
+        gang left; left alone, each failure would leave its share of a checkpoint in the
+        bucket for good."""
         earlier = sorted(s for s in self._abandoned if s < committed)
         if not earlier or not self.remote.is_committed(committed):  # (not when it was deleted locally first)
             return
         for step in earlier:
-            if not self.remote.is_committed(step):  # committed meanwhile (by hand, say): kept
+            if not self.remote.is_committed(step):  # committed (by its committer, by hand): kept
                 self.remote.delete_step(step)
                 log.info("resilient: removed step %d's uploaded files from %s (the step was given up)",
                          step, self.remote.storage.url)
             self._abandoned.discard(step)
 
     def _process(self, step: int) -> bool | None:
-        """Upload (and, on rank 0, commit) one step: True done, False given up, None closed."""
+        """Upload (and, if this uploader is its committer, commit) one step: True done,
+        False given up, None closed."""
         if not self.local.is_committed(step):
             return True  # deleted locally before it could be uploaded (only without a remote)
         where = f"upload of step {step} to {self.remote.storage.url}"
         try:
-            if step not in self._inherited:
-                return True if self._retrying(where, lambda: self._upload(step),
-                                              (CheckpointCorruptError, _GivenUpElsewhere)) else None
-            if not self._retrying(where, lambda: self._upload_own(step), (CheckpointCorruptError,)):
+            if not self._retrying(where, lambda: self._upload(step), (CheckpointCorruptError, _GivenUp)):
                 return None
         except CheckpointCorruptError as exc:
             return self._corrupt_here(step, exc)
-        except _GivenUpElsewhere:
-            log.warning("resilient: step %d is not committed on %s: another node's copy of it failed its "
-                        "checksums and was given up there; going on with the next step", step, self.remote.storage.url)
+        except _GivenUp as exc:
+            log.warning("resilient: step %d is not committed on %s: %s; going on with the next step",
+                        step, self.remote.storage.url, exc)
             return False
-        if not self.commits:
-            return True
-        complete: list[bool] = []
-        if not self._retrying(f"remote commit of step {step}", lambda: complete.append(self._complete_remotely(step))):
-            return None
-        return complete[-1]
+        return True
 
     def _corrupt_here(self, step: int, exc: CheckpointCorruptError) -> bool:
         """Give ``step`` up: its local copy fails its checksums, which no retry mends. It is
@@ -291,27 +356,20 @@ class Uploader:
         self.uploaded_bytes += copy_step(self.local, self.remote.storage, step, skip_present=True,
                                          only_present=True, commit=False, mark_checked=True)
 
-    def _complete_remotely(self, step: int) -> bool:
-        """Commit an inherited step remotely if every node's files are there; else give it up."""
-        if has_all_files(self.remote, self.local.manifest(step), checked=True):
-            commit_step(self.local, self.remote.storage, step)
-            return True
-        log.warning("resilient: step %d, written by an earlier gang, cannot be completed on %s: "
-                    "other nodes' files are missing there (node lost?); leaving it uncommitted",
-                    step, self.remote.storage.url)
-        return False
-
     def _upload(self, step: int) -> None:
-        if not self.commits:
-            self._upload_own(step)
+        self._upload_own(step)
+        if not self._commits(step):
             return
+        # the committer commits once every node's files are up (other leaders upload their own)
         manifest = self.local.manifest(step)
         mark = _given_up_mark(manifest)
-        self._upload_own(step)
-        # rank 0 commits once every node's files are up (other leaders upload their own),
-        # unless a node gives the step up (``_corrupt_here``): asked only while files are
-        # missing, so a step whose files are all up costs no request for it
-        while not has_all_files(self.remote, manifest, checked=True):
+        while missing := missing_files(self.remote, manifest, checked=True):
+            if step in self._inherited:
+                lost = sorted(missing - self._holdings.files.get(step, set()))
+                if lost:
+                    raise _LostWithItsNode(step, lost)
+            # a node that gives the step up says so (``_corrupt_here``): asked only while
+            # files are missing, so a step whose files are all up costs no request for it
             if (self.remote.bad_reason(step) or "").startswith(mark):
                 raise _GivenUpElsewhere(step)
             with self._cond:

@@ -296,7 +296,7 @@ def test_a_failing_upload_callback_does_not_stop_the_uploads(tmp_path, caplog):
         if step == 1:
             raise AttributeError("'Checkpointer' object has no attribute '_uploaded_bytes_seen'")
 
-    uploader = Uploader(Catalog(open_storage(root)), open_storage(remote), commits=True, keep_remote=None,
+    uploader = Uploader(Catalog(open_storage(root)), open_storage(remote), rank=0, keep_remote=None,
                         on_uploaded=on_uploaded)
     try:
         for step in (1, 2, 3):
@@ -309,7 +309,7 @@ def test_a_failing_upload_callback_does_not_stop_the_uploads(tmp_path, caplog):
     assert any("after uploading step 1" in r.getMessage() for r in caplog.records)
 
     # a thread that died for another reason: flush() says so instead of waiting forever
-    uploader = Uploader(Catalog(open_storage(root)), open_storage(remote), commits=True, keep_remote=None,
+    uploader = Uploader(Catalog(open_storage(root)), open_storage(remote), rank=0, keep_remote=None,
                         on_uploaded=on_uploaded)
     uploader.close()
     uploader._closed = False  # as if the thread had ended without being closed
@@ -383,23 +383,23 @@ def test_restore_with_the_remote_tier_down_refuses_to_start_from_scratch(tmp_pat
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_step_counts_as_complete_only_with_every_file_at_its_size(tmp_path, s3_server, where):
-    """One listing tells whether every file of a step is there (what rank 0 asks the store
-    until every node's files are up): a missing file or one of another size says no."""
+    """One listing tells which files of a step are not there yet (what rank 0 asks the store
+    until every node's files are up): a file absent and a file of another size both count."""
     from resilient._catalog import Catalog
     from resilient._storage import FsspecStorage, LocalStorage
-    from resilient._transfer import has_all_files
+    from resilient._transfer import missing_files
 
     storage = (LocalStorage(str(tmp_path / "tier")) if where == "local"
                else FsspecStorage(s3_url(s3_server), s3_server["options"]))
     catalog = Catalog(storage)
     manifest = {"step": 3, "files": {"rank-00000.data": {"bytes": 5}, "rank-00001.data": {"bytes": 3}}}
-    assert not has_all_files(catalog, manifest)  # no step directory at all
+    assert missing_files(catalog, manifest) == {"rank-00000.data", "rank-00001.data"}  # no step directory
     storage.write("step-0000000003/rank-00000.data", [b"12345"])
-    assert not has_all_files(catalog, manifest)  # one file missing
+    assert missing_files(catalog, manifest) == {"rank-00001.data"}
     storage.write("step-0000000003/rank-00001.data", [b"1234"])
-    assert not has_all_files(catalog, manifest)  # one file of another size
+    assert missing_files(catalog, manifest) == {"rank-00001.data"}  # there, at another size
     storage.write("step-0000000003/rank-00001.data", [b"123"])
-    assert has_all_files(catalog, manifest)
+    assert missing_files(catalog, manifest) == set()
     assert storage.sizes("step-0000000003") == {"rank-00000.data": 5, "rank-00001.data": 3}
 
 
@@ -495,7 +495,7 @@ def _uploader(catalog, remote, node, **options):
     from resilient._storage import open_storage
     from resilient._uploader import Uploader
 
-    return Uploader(catalog, open_storage(remote), commits=node == 0, keep_remote=None,
+    return Uploader(catalog, open_storage(remote), rank=node, keep_remote=None,
                     on_uploaded=lambda step, seconds: None, **options)
 
 
@@ -567,6 +567,109 @@ def test_what_nodes_uploaded_of_a_step_given_up_is_removed_once_a_later_step_com
     assert sorted(n for n in os.listdir(tmp_path / "remote") if n.startswith("step-")) == ["step-0000000003"]
     removed = [r.getMessage() for r in caplog.records if "given up" in r.getMessage() and "removed" in r.getMessage()]
     assert len(removed) == 2, removed
+
+
+def test_rank_0_waits_for_a_surviving_nodes_upload_of_a_step_an_earlier_gang_left(tmp_path, caplog):
+    """A new gang finds steps 1 and 2 on both nodes' disks, not on the remote tier (the
+    earlier gang stopped before they were up). Rank 0 used to give such a step up as soon
+    as another node's files were missing, though that node is alive and about to upload
+    them: the step's remote copy was lost for nothing. Now the gang's nodes say which files
+    they hold when the Checkpointer is made (``files_held``), and rank 0 waits for those;
+    only a file no node holds gives the step up at once."""
+    from resilient._uploader import Holdings, files_held
+
+    from .launch import run_ranks
+
+    run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 2})
+    remote = "file://" + str(tmp_path / "remote")
+    nodes = _empty_nodes(tmp_path)
+    held = Holdings.gathered([files_held(nodes[0]), files_held(nodes[1])])
+    assert held.files == {1: {"rank-00000.data", "rank-00001.data"}, 2: {"rank-00000.data", "rank-00001.data"}}
+    assert held.committer == {1: 0, 2: 0}
+    uploaders = [_uploader(nodes[0], remote, 0, holdings=held)]
+    try:
+        with pytest.raises(TimeoutError, match=r"steps \[1, 2\] still pending"):
+            uploaders[0].flush(timeout=3)  # node 1's uploader is slow to start
+        assert remote_steps(remote, {}) == []
+        uploaders.append(_uploader(nodes[1], remote, 1, holdings=held))
+        for u in uploaders:
+            u.flush(timeout=30)
+    finally:
+        for u in uploaders:
+            u.close()
+    assert remote_steps(remote, {}) == [1, 2]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+    # a gang without node 1 (its disk went with it): nobody holds its files, given up at once
+    other = "file://" + str(tmp_path / "other")
+    alone = _uploader(nodes[0], other, 0, holdings=Holdings.gathered([files_held(nodes[0])]))
+    try:
+        alone.flush(timeout=30)
+    finally:
+        alone.close()
+    assert remote_steps(other, {}) == []
+    lost = [r.getMessage() for r in caplog.records if "no node of this gang holds rank-00001.data" in r.getMessage()]
+    assert len(lost) == 2, [r.getMessage() for r in caplog.records]
+
+
+def test_a_step_an_earlier_gang_left_is_committed_by_a_node_holding_it_when_a_spare_is_rank_0(tmp_path, caplog):
+    """Node 0 uploaded its files of steps 1 and 2, then was lost before node 1 had; a spare
+    with an empty disk took its ranks, rank 0 among them. Only rank 0 committed, and the
+    spare holds neither step nor its commit record: node 1 uploaded its files of them, and
+    they stayed uncommitted for good. Now the lowest rank holding such a step commits it.
+    And where that node gives a step up instead (node 0's files never reached the store),
+    rank 0 removes what was uploaded of it once a later step is committed, as for its own."""
+    from resilient._uploader import Holdings, files_held
+
+    from .launch import run_ranks
+
+    run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 2})
+    remote, other = "file://" + str(tmp_path / "remote"), "file://" + str(tmp_path / "other")
+    nodes = _empty_nodes(tmp_path)
+    before_loss = _uploader(nodes[0], remote, 0)  # the earlier gang's rank 0: node 1's files not up yet
+    try:
+        before_loss.flush(timeout=30)
+    finally:
+        before_loss.close()
+    assert remote_steps(remote, {}) == []
+    os.rename(tmp_path / "node0", tmp_path / "lost0")  # node 0 is gone; the spare, at the same path, is empty
+    spare, node1 = _empty_nodes(tmp_path)
+    holdings = Holdings.gathered([files_held(spare), files_held(node1)])
+    assert holdings.committer == {1: 1, 2: 1}
+    for url in (remote, other):
+        uploaders = [_uploader(spare, url, 0, holdings=holdings), _uploader(node1, url, 1, holdings=holdings)]
+        try:
+            for u in uploaders:
+                u.flush(timeout=30)
+            if url == other:  # node 1 gave steps 1 and 2 up (node 0's files are nowhere); then step 3
+                run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "first": 3, "steps": 3})
+                for u in uploaders:
+                    u.enqueue(3)
+                for u in uploaders:
+                    u.flush(timeout=30)
+        finally:
+            for u in uploaders:
+                u.close()
+    assert remote_steps(remote, {}) == [1, 2]
+    assert remote_steps(other, {}) == [3]
+    assert sorted(n for n in os.listdir(tmp_path / "other") if n.startswith("step-")) == ["step-0000000003"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("no node of this gang holds rank-00000.data" in m for m in messages) == 2, messages
+
+
+def test_a_restarted_gang_completes_the_uploads_its_predecessor_left(tmp_path):
+    """End to end: a gang of two nodes saves steps 1 and 2 with no remote tier reachable
+    (here: none given); the next gang, the same two nodes with a remote tier, saves step 3.
+    Every step reaches the remote tier: each node's Checkpointer tells rank 0 which files of
+    steps 1 and 2 it holds, and rank 0 waits for them instead of racing the other node's
+    uploader (before, which steps were committed depended on which uploader ran first)."""
+    from .launch import run_ranks
+
+    run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "steps": 2})
+    remote = "file://" + str(tmp_path / "remote")
+    results = run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "first": 3, "steps": 3, "remote": remote})
+    assert remote_steps(remote, {}) == [1, 2, 3], [r.output for r in results]
+    assert not any("not committed" in r.output for r in results), [r.output for r in results]
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
