@@ -180,6 +180,8 @@ class Checkpointer:
         keep: committed checkpoints kept locally (int, a retention policy, or None for all).
         keep_remote: the same for the remote tier (None keeps all). A local checkpoint not
             yet on the remote tier is never deleted; the newest is never deleted anywhere.
+            A queued step this would delete once the newer queued ones are up is not
+            uploaded, so a store outage keeps only what it keeps on the local disk.
         compress: None or "zstd" (per chunk; chunks that do not shrink are stored raw).
         process_group: the group whose ranks save together (default: the world).
         storage_options: options for the remote filesystem (credentials, endpoint).

@@ -9,12 +9,13 @@ training never waits, and when the store comes back the backlog drains in order.
 
 What no retry mends is given up instead, so that it never holds later steps back: a step
 whose local copy fails its checksums (the node says so on the remote tier, and rank 0 stops
-waiting for that node's files), and on rank 0 a step an earlier gang left whose missing
-files no node of this gang holds (their node was lost). Rank 0 knows which those are: the
-Checkpointer gives it every node's ``files_held`` when it is made, so it waits for a slow
-surviving node's upload of such a step as for any other. What the nodes uploaded of a step
-given up is deleted once a later step is committed, since commit order means no node still
-uploads to it.
+waiting for that node's files); a step an earlier gang left whose missing files no node of
+this gang holds (their node was lost: the Checkpointer gathers every node's ``files_held``
+when it is made, so a slow surviving node's upload is waited for as any other); and a step
+that remote retention would delete once the steps queued behind it are up, so that a store
+outage queues, and keeps on the local disk, only what ``keep_remote`` keeps. What the
+nodes uploaded of a step given up is deleted once a later step is committed, since commit
+order means no node still uploads to it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ log = logging.getLogger("resilient")
 
 
 class _GivenUp(Exception):
-    """Rank 0 cannot commit the step remotely, for a reason no retry mends: some node's
-    files of it will never come. It goes on with the next step."""
+    """The step is not to be committed remotely, for a reason no retry mends (some node's
+    files of it will never come, say). The uploader goes on with the next step."""
+
+    level = logging.WARNING
 
 
 class _GivenUpElsewhere(_GivenUp):
@@ -54,6 +57,19 @@ class _LostWithItsNode(_GivenUp):
         shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
         super().__init__(f"step {step} was written by an earlier gang, and no node of this gang holds {shown} "
                          "(their node was lost?)")
+
+
+class _Superseded(_GivenUp):
+    """Remote retention would delete the step as soon as the newer steps queued behind it
+    are up: after an outage, or with a store slower than the saves, the backlog holds only
+    what ``keep_remote`` keeps. Otherwise an outage of hours queued every save for upload,
+    and kept each on the local disk until then, until that disk was full and no save fit."""
+
+    level = logging.INFO
+
+    def __init__(self, step: int, newer: int, policy: RetentionPolicy) -> None:
+        super().__init__(f"{newer} newer steps wait to be uploaded, and remote retention {policy!r} "
+                         "deletes this one once they are up")
 
 
 def files_held(local: Catalog) -> dict[int, list[int]]:
@@ -143,6 +159,7 @@ class Uploader:
         self._holdings = holdings or Holdings()
         # rank 0: steps given up, whose uploaded files go once a later step is committed
         self._abandoned: set[int] = set()
+        self._current: int | None = None  # the step the thread is uploading (or retrying)
         self._cond = threading.Condition()
         self._closed = False
         self._caught_up = False
@@ -161,6 +178,7 @@ class Uploader:
             if step not in self._queue and step not in self._done:
                 self._queue.append(step)
                 self._queued_at[step] = time.monotonic()
+                self._drop_superseded()
                 self._cond.notify_all()
 
     def uploaded(self, step: int) -> bool:
@@ -245,6 +263,7 @@ class Uploader:
                     self._queue.append(step)
                     self._inherited.add(step)
             self._queue.sort()
+            self._drop_superseded()
             self._caught_up = True
             self._cond.notify_all()
         for step in committed_remote:
@@ -260,13 +279,14 @@ class Uploader:
                     self._cond.wait()
                 if self._closed:
                     return
-                step = self._queue[0]
+                step = self._current = self._queue[0]
             started = time.perf_counter()
             outcome = self._process(step)
             if outcome is None:
                 return  # closed
             if self.commits and not outcome:
-                self._abandoned.add(step)
+                with self._cond:
+                    self._abandoned.add(step)
             elif self.commits and not self._retrying("removing given-up steps", lambda: self._remove_abandoned(step)):
                 return  # closed
             self._finish(step, time.perf_counter() - started if outcome else None)
@@ -287,7 +307,8 @@ class Uploader:
         files, so no node uploads to those steps any more, nor still commits one an earlier
         gang left; left alone, each failure would leave its share of a checkpoint in the
         bucket for good."""
-        earlier = sorted(s for s in self._abandoned if s < committed)
+        with self._cond:  # (the writer's thread adds to it, ``_drop_superseded``)
+            earlier = sorted(s for s in self._abandoned if s < committed)
         if not earlier or not self.remote.is_committed(committed):  # (not when it was deleted locally first)
             return
         for step in earlier:
@@ -295,7 +316,8 @@ class Uploader:
                 self.remote.delete_step(step)
                 log.info("resilient: removed step %d's uploaded files from %s (the step was given up)",
                          step, self.remote.storage.url)
-            self._abandoned.discard(step)
+            with self._cond:
+                self._abandoned.discard(step)
 
     def _process(self, step: int) -> bool | None:
         """Upload (and, if this uploader is its committer, commit) one step: True done,
@@ -309,8 +331,8 @@ class Uploader:
         except CheckpointCorruptError as exc:
             return self._corrupt_here(step, exc)
         except _GivenUp as exc:
-            log.warning("resilient: step %d is not committed on %s: %s; going on with the next step",
-                        step, self.remote.storage.url, exc)
+            log.log(exc.level, "resilient: step %d is not committed on %s: %s; going on with the next step",
+                    step, self.remote.storage.url, exc)
             return False
         return True
 
@@ -338,25 +360,60 @@ class Uploader:
         return False
 
     def _finish(self, step: int, seconds: float | None) -> None:
-        """Take ``step`` off the queue; ``seconds`` None: given up (never committed remotely),
-        which, like an upload, settles it: local retention may then delete it."""
+        """Take ``step`` off the queue and tell the Checkpointer; ``seconds`` None: given up
+        (never committed remotely), which, like an upload, settles it: local retention may
+        then delete it."""
         with self._cond:
             self._queue.remove(step)
             self._queued_at.pop(step, None)
             self._done.add(step)
+            self._current = None
             self._cond.notify_all()
-        if seconds is not None:
-            try:
-                self.on_uploaded(step, seconds)
-            except Exception:  # noqa: BLE001 - the step is uploaded; later steps must still be
-                log.exception("after uploading step %d to %s: the callback failed; uploading goes on",
-                              step, self.remote.storage.url)
+        try:
+            self.on_uploaded(step, seconds)
+        except Exception:  # noqa: BLE001 - the step is settled; later steps must still be uploaded
+            log.exception("after uploading step %d to %s: the callback failed; uploading goes on",
+                          step, self.remote.storage.url)
 
     def _upload_own(self, step: int) -> None:
         self.uploaded_bytes += copy_step(self.local, self.remote.storage, step, skip_present=True,
                                          only_present=True, commit=False, mark_checked=True)
 
+    def _drop_superseded(self) -> None:
+        """(Holding the lock.) Settle, without uploading them, the queued steps that remote
+        retention would delete once the newer ones queued behind them are up (``_Superseded``):
+        the Checkpointer applies local retention right after it queues a step, so during an
+        outage the local disk holds only what is to be uploaded. The step being uploaded is
+        left to its thread, which asks ``_superseded`` before each try."""
+        if self.keep_remote is None:
+            return
+        let_go = [s for s in to_delete(self.keep_remote, sorted(self._queue), self.protect()) if s != self._current]
+        for step in let_go:
+            self._queue.remove(step)
+            self._queued_at.pop(step, None)
+            self._done.add(step)
+            if self.commits:  # another node may have sent its files of it already
+                self._abandoned.add(step)
+        if let_go:
+            log.info("resilient: step(s) %s not uploaded to %s: newer steps wait to be uploaded, and remote "
+                     "retention %r deletes these once they are up", let_go, self.remote.storage.url, self.keep_remote)
+
+    def _superseded(self, step: int) -> None:
+        """Raise ``_Superseded`` when remote retention lets ``step`` go among the steps
+        queued here. Asked before each try and while waiting for other nodes' files: a store
+        that is down keeps the step at the queue's head, as the saves behind it come. Each
+        node decides from its own queue; those hold the same steps a moment apart, so a
+        committer waiting for files a node no longer sends soon decides the same (and what
+        a node sent of a step its committer gave up is removed, ``_remove_abandoned``)."""
+        if self.keep_remote is None:
+            return
+        with self._cond:
+            queued = sorted(self._queue)
+        if step in to_delete(self.keep_remote, queued, self.protect()):
+            raise _Superseded(step, sum(s > step for s in queued), self.keep_remote)
+
     def _upload(self, step: int) -> None:
+        self._superseded(step)
         self._upload_own(step)
         if not self._commits(step):
             return
@@ -372,6 +429,7 @@ class Uploader:
             # files are missing, so a step whose files are all up costs no request for it
             if (self.remote.bad_reason(step) or "").startswith(mark):
                 raise _GivenUpElsewhere(step)
+            self._superseded(step)
             with self._cond:
                 if self._closed:
                     raise RuntimeError("closed while waiting for other nodes' files")

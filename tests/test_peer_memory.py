@@ -13,6 +13,8 @@ from resilient._format import MANIFEST
 from resilient._peer_memory import PeerMemory
 from resilient._regroup import RegroupError, parse_address
 
+from .waiting import wait_until
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -22,15 +24,6 @@ def pair():
     yield a, b
     a.close()
     b.close()
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def write(tmp_path, name: str, data: bytes) -> str:

@@ -16,6 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from resilient import AnyOf, Checkpointer, KeepEvery, KeepLast, StorageError
 
 from .launch import free_port
+from .waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -174,6 +175,73 @@ def test_fault_injected_store_retries_and_catches_up_in_order(tmp_path, flaky, c
     uploads = [r.getMessage() for r in caplog.records if "upload of step" in r.getMessage()]
     assert uploads == [] or all("step 1" in m for m in uploads)  # in order: 2 waits behind 1
     assert sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step-")) == ["step-0000000003"]
+
+
+def _local_steps(root):
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-"))
+
+
+def test_a_store_outage_queues_only_what_remote_retention_keeps(tmp_path, flaky, caplog):
+    """With the store down, every save used to be queued for upload and kept on the local
+    disk until it was up, whatever ``keep_remote`` said: an outage of hours filled the disk,
+    and then no save fit. Now a queued step that remote retention would delete once the
+    newer ones are up is not uploaded, and local retention lets it go at once. Both cases:
+    the store down from the start (the uploader has not even listed it), and down while a
+    step is being uploaded (that one is given up at its next try)."""
+    root = tmp_path / "l"
+    FlakyFS.broken = True
+    with caplog.at_level(logging.INFO, logger="resilient"), \
+            Checkpointer(root, remote=flaky, keep=1, keep_remote=2) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, {"x": torch.full((4,), float(step))})
+            ckpt.wait()  # (local retention runs right after the commit, in the writer's thread)
+            wait_until(lambda: _local_steps(root) == list(range(max(1, step - 1), step + 1)),  # noqa: B023
+                       what=f"at most 2 steps on the local disk after step {step}")
+        FlakyFS.broken = False
+        ckpt.flush(timeout=60)
+        assert remote_steps(flaky, {}) == [5, 6] and _local_steps(root) == [6]
+
+        FlakyFS.broken = True  # step 7's upload is retried as steps 8 to 10 come
+        for step in range(7, 11):
+            ckpt.save(step, {"x": torch.full((4,), float(step))})
+            ckpt.wait()
+        wait_until(lambda: ckpt._uploader.pending() == [9, 10] and _local_steps(root) == [9, 10], timeout=30,
+                   what="steps 7 and 8 settled and deleted locally")
+        FlakyFS.broken = False
+        ckpt.flush(timeout=60)
+    assert remote_steps(flaky, {}) == [9, 10] and _local_steps(root) == [10]
+    fs, base = remote_fs(flaky, {})
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False) if "/step-" in p) == [
+        "step-0000000009", "step-0000000010"]  # nothing left of 7 and 8 either
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("step 7 is not committed" in m and "KeepLast(n=2)" in m for m in messages), messages
+
+
+def test_two_nodes_give_up_a_step_superseded_while_the_store_is_down_alike(tmp_path, flaky):
+    """Each node decides from its own queue which steps remote retention lets go: with the
+    store down, both retry step 1 as steps 2 and 3 come, and both give it up at their next
+    try; rank 0 commits 2 and 3 once the store is back, and nothing of step 1 is left."""
+    _, uploaders, _ = _saved_on_two_nodes(tmp_path, flaky, 3, keep_remote=KeepLast(2), base_delay=0.05,
+                                          max_delay=0.2)
+    try:
+        FlakyFS.broken = True
+        for u in uploaders:
+            u.enqueue(1)
+        wait_until(lambda: FlakyFS.calls_failed >= 4, what="both nodes retrying step 1")
+        for step in (2, 3):
+            for u in uploaders:
+                u.enqueue(step)
+        wait_until(lambda: all(u.pending() == [2, 3] for u in uploaders), timeout=30,
+                   what="step 1 given up on both nodes")
+        FlakyFS.broken = False
+        for u in uploaders:
+            u.flush(timeout=30)
+    finally:
+        for u in uploaders:
+            u.close()
+    assert remote_steps(flaky, {}) == [2, 3]
+    fs, base = remote_fs(flaky, {})
+    assert not fs.exists(f"{base}/step-0000000001")
 
 
 def test_credentials_never_appear_in_logs_errors_or_manifests(tmp_path, caplog, capfd):
@@ -470,14 +538,15 @@ def _empty_nodes(tmp_path):
     return [Catalog(open_storage(str(tmp_path / f"node{n}"))) for n in (0, 1)]
 
 
-def _saved_on_two_nodes(tmp_path, remote, steps):
-    """Two nodes whose uploaders started first (nothing to catch up on: each step comes by
-    ``enqueue``, as from its Checkpointer), then steps 1 to ``steps`` committed on both:
-    (their catalogs, their uploaders, node 1's data file's name). Not yet enqueued."""
+def _saved_on_two_nodes(tmp_path, remote, steps, **options):
+    """Two nodes whose uploaders (made with ``options``) started first (nothing to catch up
+    on: each step comes by ``enqueue``, as from its Checkpointer), then steps 1 to ``steps``
+    committed on both: (their catalogs, their uploaders, node 1's data file's name). Not yet
+    enqueued."""
     from .launch import run_ranks
 
     nodes = _empty_nodes(tmp_path)
-    uploaders = [_uploader(nodes[n], remote, n) for n in (0, 1)]
+    uploaders = [_uploader(nodes[n], remote, n, **options) for n in (0, 1)]
     try:
         for uploader in uploaders:
             uploader.flush(timeout=30)
@@ -495,8 +564,8 @@ def _uploader(catalog, remote, node, **options):
     from resilient._storage import open_storage
     from resilient._uploader import Uploader
 
-    return Uploader(catalog, open_storage(remote), rank=node, keep_remote=None,
-                    on_uploaded=lambda step, seconds: None, **options)
+    options.setdefault("keep_remote", None)
+    return Uploader(catalog, open_storage(remote), rank=node, on_uploaded=lambda step, seconds: None, **options)
 
 
 def test_rank_0_does_not_wait_forever_for_a_step_another_node_gave_up(tmp_path, caplog):
