@@ -559,6 +559,18 @@ def _saved_on_two_nodes(tmp_path, remote, steps, **options):
     return nodes, uploaders, name
 
 
+def _save_and_upload(tmp_path, uploaders, step):
+    """Both nodes save ``step`` (a new gang's), and their uploaders, as their Checkpointers
+    would, queue it and are flushed."""
+    from .launch import run_ranks
+
+    run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "first": step, "steps": step})
+    for u in uploaders:
+        u.enqueue(step)
+    for u in uploaders:
+        u.flush(timeout=60)
+
+
 def _uploader(catalog, remote, node, **options):
     """A node's uploader as its Checkpointer makes it (node 0: rank 0's, which commits)."""
     from resilient._storage import open_storage
@@ -624,11 +636,7 @@ def test_what_nodes_uploaded_of_a_step_given_up_is_removed_once_a_later_step_com
         uploaders[1].flush(timeout=30)
         data = [n for n in os.listdir(tmp_path / "remote" / "step-0000000001") if n.endswith(".data")]
         assert len(data) == 2  # both nodes' files now
-        run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "first": 3, "steps": 3})
-        for u in uploaders:
-            u.enqueue(3)
-        for u in uploaders:
-            u.flush(timeout=60)
+        _save_and_upload(tmp_path, uploaders, 3)
     finally:
         for u in uploaders:
             u.close()
@@ -711,11 +719,7 @@ def test_a_step_an_earlier_gang_left_is_committed_by_a_node_holding_it_when_a_sp
             for u in uploaders:
                 u.flush(timeout=30)
             if url == other:  # node 1 gave steps 1 and 2 up (node 0's files are nowhere); then step 3
-                run_ranks("saves_on_own_nodes", 2, {"root": str(tmp_path), "first": 3, "steps": 3})
-                for u in uploaders:
-                    u.enqueue(3)
-                for u in uploaders:
-                    u.flush(timeout=30)
+                _save_and_upload(tmp_path, uploaders, 3)
         finally:
             for u in uploaders:
                 u.close()
