@@ -520,6 +520,24 @@ class Checkpointer:
                               phases=handle.phases, report_bytes=handle.report_bytes)
         else:
             self._events.emit("save_failed", step=handle.step, seconds=took, error=str(handle._error))
+            self._explain_full_disk(handle._error)
+
+    def _explain_full_disk(self, error: BaseException | None) -> None:
+        """A save that failed for a full local disk while steps wait there for the store: say
+        so, since "No space left on device" alone points at the wrong cause. Every save
+        waits on the local disk until it is uploaded (retention never deletes it first), so
+        a store down for hours fills the disk, unless ``keep_remote`` bounds the backlog."""
+        uploader = self._uploader
+        full = any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT))
+        if uploader is None or not full or not uploader.pending():
+            return
+        waiting = uploader.pending()
+        log.warning("resilient: the local disk at %s is full with %d step(s) waiting to be uploaded to %s (%s, "
+                    "oldest %.0f s ago)%s; each stays there until it is uploaded%s", self.root, len(waiting),
+                    self._remote.url if self._remote else "?", waiting if len(waiting) <= 8 else f"{waiting[:8]}...",
+                    uploader.lag_seconds(), f", last error: {uploader.last_error}" if uploader.last_error else "",
+                    "" if self._keep_remote is not None else
+                    ": pass keep_remote= to upload (and keep) only the steps the remote tier keeps")
 
     def _replicate(self, step: int) -> None:
         """Send this rank's file of ``step`` (and the manifest) to a peer's memory."""

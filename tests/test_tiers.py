@@ -311,6 +311,35 @@ def test_full_local_disk_fails_that_save_cleanly_and_training_goes_on(tiny_disk,
             ckpt.save(5, small)  # strict: the failure surfaces in the training loop
 
 
+def test_a_disk_filled_by_steps_waiting_for_a_store_that_is_down_says_so(tiny_disk, flaky, caplog):
+    """The store is down and every save waits on the local disk to be uploaded: with
+    ``keep_remote=None`` the 3 MiB disk fills, and the failed save's log says why (how many
+    steps wait, for which store, the store's last error) and what bounds it. With
+    ``keep_remote=2`` the same saves all fit: only the 2 newest wait."""
+    FlakyFS.broken = True
+    state = {"w": torch.ones(1 << 16)}  # 256 KiB a step: about 11 fit
+    with Checkpointer(tiny_disk, remote=flaky, keep=1) as ckpt:
+        for step in range(1, 16):
+            ckpt.save(step, state)
+        with pytest.raises(Exception, match="No space left"):
+            ckpt.wait()
+        ckpt.close(timeout=1)
+    full = [r.getMessage() for r in caplog.records if "is full with" in r.getMessage()]
+    assert full and "waiting to be uploaded to flaky://" in full[0] and "pass keep_remote=" in full[0], full
+    assert "last error: " in full[0] and "injected" in full[0]
+
+    for name in os.listdir(tiny_disk):
+        shutil.rmtree(os.path.join(tiny_disk, name), ignore_errors=True)
+    caplog.clear()
+    with Checkpointer(tiny_disk, remote=flaky, keep=1, keep_remote=2) as ckpt:
+        for step in range(1, 16):
+            ckpt.save(step, state)
+            ckpt.wait()  # each fits
+        assert ckpt.stats["saves_failed"] == 0
+        ckpt.close(timeout=1)
+    assert not [r for r in caplog.records if "is full with" in r.getMessage()]
+
+
 def test_ckpt_ls_shows_which_tiers_hold_each_step(tmp_path, s3_server, capsys):
     from resilient.ckpt import main
 
