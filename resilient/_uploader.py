@@ -147,11 +147,11 @@ class Uploader:
         self._queue: list[int] = []
         self._queued_at: dict[int, float] = {}
         self._done: set[int] = set()
-        # steps found on the local tier at start, written by an earlier gang: other nodes'
-        # files may never come (that node is gone), so they are not waited for. Listed here,
-        # before this process can save: a step committed while the thread below still lists
-        # the remote tier is this gang's, and was taken for an earlier gang's (rank 0 then
-        # gave it up when the other nodes' files were not up yet)
+        # steps found on the local tier at start, written by an earlier gang: some nodes'
+        # files may never come (that node is gone), so only those ``holdings`` names are
+        # waited for. Listed here, before this process can save: a step committed while the
+        # thread below still lists the remote tier is this gang's, and was taken for an
+        # earlier gang's (rank 0 then gave it up when the other nodes' files were not up yet)
         self._found_at_start = self._local_steps()
         self._inherited: set[int] = set()
         # which files of those steps this gang's nodes hold and will upload, and who commits
