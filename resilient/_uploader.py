@@ -159,7 +159,7 @@ class Uploader:
         self._holdings = holdings or Holdings()
         # rank 0: steps given up, whose uploaded files go once a later step is committed
         self._abandoned: set[int] = set()
-        self._current: int | None = None  # the step the thread is uploading (or retrying)
+        self._current: int | None = None  # the step the thread is uploading or retrying, then its retention
         self._cond = threading.Condition()
         self._closed = False
         self._caught_up = False
@@ -290,8 +290,10 @@ class Uploader:
             elif self.commits and not self._retrying("removing given-up steps", lambda: self._remove_abandoned(step)):
                 return  # closed
             self._finish(step, time.perf_counter() - started if outcome else None)
-            if outcome and self.commits:
-                self._retrying("remote retention", self._retention)
+            if outcome and self.commits and not self._retrying("remote retention", self._retention):
+                return  # closed
+            with self._cond:
+                self._current = None  # idle until the next step (a retention left behind counts as busy)
 
     def _commits(self, step: int) -> bool:
         """Whether this uploader commits ``step`` remotely: rank 0 the gang's own steps; a
@@ -367,7 +369,6 @@ class Uploader:
             self._queue.remove(step)
             self._queued_at.pop(step, None)
             self._done.add(step)
-            self._current = None
             self._cond.notify_all()
         try:
             self.on_uploaded(step, seconds)

@@ -200,11 +200,14 @@ def test_a_store_outage_queues_only_what_remote_retention_keeps(tmp_path, flaky,
         FlakyFS.broken = False
         ckpt.flush(timeout=60)
         assert remote_steps(flaky, {}) == [5, 6] and _local_steps(root) == [6]
+        wait_until(lambda: ckpt._uploader._current is None, what="remote retention after step 6")
 
         FlakyFS.broken = True  # step 7's upload is retried as steps 8 to 10 come
         for step in range(7, 11):
             ckpt.save(step, {"x": torch.full((4,), float(step))})
             ckpt.wait()
+            if step == 7:  # being uploaded, not just queued (a queued one is let go at once)
+                wait_until(lambda: ckpt._uploader._current == 7, what="step 7's upload begun")
         wait_until(lambda: ckpt._uploader.pending() == [9, 10] and _local_steps(root) == [9, 10], timeout=30,
                    what="steps 7 and 8 settled and deleted locally")
         FlakyFS.broken = False
