@@ -221,9 +221,11 @@ class Uploader:
             self._thread.join(timeout=5)
 
     # -- the thread ---------------------------------------------------------------------------
-    def _retrying(self, what: str, fn: Callable[[], object], fatal: tuple[type[Exception], ...] = ()) -> bool:
+    def _retrying(self, what: str, fn: Callable[[], object], fatal: tuple[type[Exception], ...] = (),
+                  attempts: int | None = None) -> bool:
         """Run ``fn`` until it succeeds (True) or the uploader is closed (False); an error of
-        a ``fatal`` type is raised at once (no retry can mend it)."""
+        a ``fatal`` type is raised at once (no retry can mend it), and the last error once
+        ``attempts`` tries (if given) have failed."""
         attempt = 0
         while True:
             try:
@@ -233,6 +235,8 @@ class Uploader:
             except fatal:
                 raise
             except Exception as exc:  # every store failure is worth another try
+                if attempts is not None and attempt + 1 >= attempts:
+                    raise
                 self.retries += 1
                 record("upload_retry", {})
                 # only the exception's type and message: never the storage options
@@ -287,13 +291,26 @@ class Uploader:
             if self.commits and not outcome:
                 with self._cond:
                     self._abandoned.add(step)
-            elif self.commits and not self._retrying("removing given-up steps", lambda: self._remove_abandoned(step)):
+            elif self.commits and not self._housekeeping("removing given-up steps", lambda: self._remove_abandoned(step)):
                 return  # closed
             self._finish(step, time.perf_counter() - started if outcome else None)
-            if outcome and self.commits and not self._retrying("remote retention", self._retention):
+            if outcome and self.commits and not self._housekeeping("remote retention", self._retention):
                 return  # closed
             with self._cond:
                 self._current = None  # idle until the next step (a retention left behind counts as busy)
+
+    def _housekeeping(self, what: str, fn: Callable[[], object]) -> bool:
+        """Rank 0's deletions after a step (retention, given-up uploads): a few tries, then
+        a warning, and the uploads go on (False only when closed). Retried for as long as
+        it takes, as an upload is, a store that refuses deletes (write-only credentials, an
+        object lock) stopped every upload after the first deletion. Each runs again after
+        the next step, so a blip costs nothing."""
+        try:
+            return self._retrying(what, fn, fatal=(PermissionError,), attempts=3)
+        except Exception as exc:  # noqa: BLE001 - any store failure; the next step tries again
+            log.warning("resilient: %s on %s failed (%s: %s); uploads go on, and it is tried again after the "
+                        "next step", what, self.remote.storage.url, type(exc).__name__, exc)
+            return True
 
     def _commits(self, step: int) -> bool:
         """Whether this uploader commits ``step`` remotely: rank 0 the gang's own steps; a

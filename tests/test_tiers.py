@@ -148,12 +148,30 @@ for _name in ("_open", "cat_file", "ls", "info"):  # every read, write and listi
     setattr(FlakyFS, _name, _failing(_name))
 
 
+def _refusing(name):
+    """MemoryFileSystem's deletion ``name``, refused (as S3's AccessDenied) while
+    ``refuse_deletes``, of what exists (a missing path is not found, as on S3)."""
+    inner = getattr(MemoryFileSystem, name)
+
+    def method(self, *a, **k):
+        if FlakyFS.refuse_deletes and MemoryFileSystem.exists(self, a[0]):
+            raise PermissionError("injected: AccessDenied (s3:DeleteObject)")
+        return inner(self, *a, **k)
+
+    return method
+
+
+FlakyFS.refuse_deletes = False
+for _name in ("rm", "_rm", "rmdir"):
+    setattr(FlakyFS, _name, _refusing(_name))
+
+
 @pytest.fixture
 def flaky():
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
     FlakyFS.broken, FlakyFS.calls_failed, FlakyFS.fail_next, FlakyFS.fail_next_data_reads = False, 0, 0, 0
     yield f"flaky://run-{uuid.uuid4().hex[:6]}"
-    FlakyFS.broken, FlakyFS.fail_next, FlakyFS.fail_next_data_reads = False, 0, 0
+    FlakyFS.broken, FlakyFS.fail_next, FlakyFS.fail_next_data_reads, FlakyFS.refuse_deletes = False, 0, 0, False
 
 
 def test_fault_injected_store_retries_and_catches_up_in_order(tmp_path, flaky, caplog):
@@ -175,6 +193,25 @@ def test_fault_injected_store_retries_and_catches_up_in_order(tmp_path, flaky, c
     uploads = [r.getMessage() for r in caplog.records if "upload of step" in r.getMessage()]
     assert uploads == [] or all("step 1" in m for m in uploads)  # in order: 2 waits behind 1
     assert sorted(n for n in os.listdir(tmp_path / "l") if n.startswith("step-")) == ["step-0000000003"]
+
+
+def test_a_store_that_refuses_deletes_does_not_stop_the_uploads(tmp_path, flaky, caplog):
+    """Credentials that may write but not delete (a common bucket policy) made remote
+    retention fail after the second step; it was retried for as long as it took, as an
+    upload is, and no later step was uploaded again. Now rank 0's deletions get a few tries,
+    then a warning, and run again after the next step."""
+    FlakyFS.refuse_deletes = True
+    with Checkpointer(tmp_path / "l", remote=flaky, keep=1, keep_remote=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"x": torch.full((4,), float(step))})
+            ckpt.flush(timeout=30)
+        assert remote_steps(flaky, {}) == [1, 2, 3]  # every step up; retention could delete none
+        FlakyFS.refuse_deletes = False  # the policy is mended: the next step's retention catches up
+        ckpt.save(4, {"x": torch.full((4,), 4.0)})
+        ckpt.flush(timeout=30)
+        wait_until(lambda: remote_steps(flaky, {}) == [4], what="retention catching up")
+    refused = [r.getMessage() for r in caplog.records if "remote retention" in r.getMessage() and "uploads go on" in r.getMessage()]
+    assert refused and "AccessDenied" in refused[0], [r.getMessage() for r in caplog.records]
 
 
 def _local_steps(root):
