@@ -529,12 +529,12 @@ class Checkpointer:
         a store down for hours fills the disk, unless ``keep_remote`` bounds the backlog."""
         uploader = self._uploader
         full = any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT))
-        if uploader is None or not full or not uploader.pending():
+        waiting = uploader.pending() if uploader is not None and full else []
+        if uploader is None or self._remote is None or not waiting:
             return
-        waiting = uploader.pending()
         log.warning("resilient: the local disk at %s is full with %d step(s) waiting to be uploaded to %s (%s, "
                     "oldest %.0f s ago)%s; each stays there until it is uploaded%s", self.root, len(waiting),
-                    self._remote.url if self._remote else "?", waiting if len(waiting) <= 8 else f"{waiting[:8]}...",
+                    self._remote.url, waiting if len(waiting) <= 8 else f"{waiting[:8]}...",
                     uploader.lag_seconds(), f", last error: {uploader.last_error}" if uploader.last_error else "",
                     "" if self._keep_remote is not None else
                     ": pass keep_remote= to upload (and keep) only the steps the remote tier keeps")
