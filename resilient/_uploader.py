@@ -301,10 +301,10 @@ class Uploader:
 
     def _housekeeping(self, what: str, fn: Callable[[], object]) -> bool:
         """Rank 0's deletions after a step (retention, given-up uploads): a few tries, then
-        a warning, and the uploads go on (False only when closed). Retried for as long as
-        it takes, as an upload is, a store that refuses deletes (write-only credentials, an
-        object lock) stopped every upload after the first deletion. Each runs again after
-        the next step, so a blip costs nothing."""
+        a warning, and the uploads go on (False only when closed). When they were retried
+        for as long as it took, as an upload is, a store that refuses deletes (write-only
+        credentials, an object lock) stopped every upload after the first deletion. Each
+        runs again after the next step, so a blip costs nothing."""
         try:
             return self._retrying(what, fn, fatal=(PermissionError,), attempts=3)
         except Exception as exc:  # noqa: BLE001 - any store failure; the next step tries again
