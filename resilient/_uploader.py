@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 from ._background import jitter, yield_to_training
 from ._catalog import COMMITTED, Catalog
 from ._errors import CheckpointCorruptError
+from ._format import BAD_DIR
 from ._metrics import record
 from ._names import data_file_name, parse_data_file, step_dir_name
 from ._policy import RetentionPolicy, to_delete
@@ -70,6 +71,13 @@ class _Superseded(_GivenUp):
     def __init__(self, step: int, newer: int, policy: RetentionPolicy) -> None:
         super().__init__(f"{newer} newer steps wait to be uploaded, and remote retention {policy!r} "
                          "deletes this one once they are up")
+
+
+class _MarkedBadThere(_GivenUp):
+    def __init__(self, step: int, exc: PermissionError) -> None:
+        super().__init__(f"the store refuses to delete the bad marker an earlier save of step {step} left ({exc}), "
+                         f"so readers skip the commit record just written; delete {BAD_DIR}/{step_dir_name(step)} "
+                         "by hand to offer it")
 
 
 def files_held(local: Catalog) -> dict[int, list[int]]:
@@ -452,7 +460,12 @@ class Uploader:
                 if self._closed:
                     raise RuntimeError("closed while waiting for other nodes' files")
                 self._cond.wait(0.2)
-        commit_step(self.local, self.remote.storage, step)
+        try:
+            commit_step(self.local, self.remote.storage, step)
+        except PermissionError as exc:  # write-only credentials: retrying would hold every later step back
+            if self.remote.is_committed(step):
+                raise _MarkedBadThere(step, exc) from exc
+            raise
 
     def _retention(self) -> None:
         if self.keep_remote is None:

@@ -214,6 +214,26 @@ def test_a_store_that_refuses_deletes_does_not_stop_the_uploads(tmp_path, flaky,
     assert refused and "AccessDenied" in refused[0], [r.getMessage() for r in caplog.records]
 
 
+def test_a_bad_marker_the_store_will_not_delete_gives_that_step_up_only(tmp_path, flaky, caplog):
+    """Step 1 was found bad on the remote tier and the job saved it again; committing it
+    there deletes its bad marker, which write-only credentials refuse. That was retried for
+    as long as it took, and no later step was uploaded. Now the step is given up, the log
+    says which marker to delete by hand, and step 2 is uploaded."""
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+
+    remote = Catalog(open_storage(flaky))
+    remote.mark_bad(1, "failed verification when restored: checksum mismatch")
+    FlakyFS.refuse_deletes = True
+    with Checkpointer(tmp_path / "l", remote=flaky) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"x": torch.full((4,), float(step))})
+            ckpt.flush(timeout=30)
+    assert remote.committed_steps() == [2] and remote.is_committed(1)  # step 1's record is there, not offered
+    given_up = [r.getMessage() for r in caplog.records if "refuses to delete the bad marker" in r.getMessage()]
+    assert given_up and ".bad/step-0000000001 by hand" in given_up[0] and "AccessDenied" in given_up[0], given_up
+
+
 def _local_steps(root):
     return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-"))
 
