@@ -68,9 +68,9 @@ class _Superseded(_GivenUp):
 
     level = logging.INFO
 
-    def __init__(self, step: int, newer: int, policy: RetentionPolicy) -> None:
-        super().__init__(f"{newer} newer steps wait to be uploaded, and remote retention {policy!r} "
-                         "deletes this one once they are up")
+    def __init__(self, newer: int, policy: RetentionPolicy) -> None:
+        super().__init__(f"{newer} newer step(s) wait to be uploaded, and remote retention {policy!r} "
+                         "deletes it once they are up")
 
 
 class _MarkedBadThere(_GivenUp):
@@ -405,24 +405,27 @@ class Uploader:
         self.uploaded_bytes += copy_step(self.local, self.remote.storage, step, skip_present=True,
                                          only_present=True, commit=False, mark_checked=True)
 
+    def _let_go(self) -> list[int]:
+        """(Holding the lock.) The queued steps remote retention lets go among the queue:
+        those it would delete once the newer ones queued behind them are up."""
+        if self.keep_remote is None:
+            return []
+        return to_delete(self.keep_remote, sorted(self._queue), self.protect())
+
     def _drop_superseded(self) -> None:
         """(Holding the lock.) Settle, without uploading them, the queued steps that remote
-        retention would delete once the newer ones queued behind them are up (``_Superseded``):
-        the Checkpointer applies local retention right after it queues a step, so during an
-        outage the local disk holds only what is to be uploaded. The step being uploaded is
-        left to its thread, which asks ``_superseded`` before each try."""
-        if self.keep_remote is None:
-            return
-        let_go = [s for s in to_delete(self.keep_remote, sorted(self._queue), self.protect()) if s != self._current]
-        for step in let_go:
+        retention lets go (``_Superseded``): the Checkpointer applies local retention right
+        after it queues a step, so during an outage the local disk holds only what is to be
+        uploaded. The step being uploaded is left to its thread, which asks ``_superseded``
+        before each try."""
+        for step in [s for s in self._let_go() if s != self._current]:
             self._queue.remove(step)
             self._queued_at.pop(step, None)
             self._done.add(step)
             if self.commits:  # another node may have sent its files of it already
                 self._abandoned.add(step)
-        if let_go:
-            log.info("resilient: step(s) %s not uploaded to %s: newer steps wait to be uploaded, and remote "
-                     "retention %r deletes these once they are up", let_go, self.remote.storage.url, self.keep_remote)
+            log.info("resilient: step %d is not uploaded to %s: %s", step, self.remote.storage.url,
+                     _Superseded(sum(s > step for s in self._queue), self.keep_remote))
 
     def _superseded(self, step: int) -> None:
         """Raise ``_Superseded`` when remote retention lets ``step`` go among the steps
@@ -431,12 +434,9 @@ class Uploader:
         node decides from its own queue; those hold the same steps a moment apart, so a
         committer waiting for files a node no longer sends soon decides the same (and what
         a node sent of a step its committer gave up is removed, ``_remove_abandoned``)."""
-        if self.keep_remote is None:
-            return
         with self._cond:
-            queued = sorted(self._queue)
-        if step in to_delete(self.keep_remote, queued, self.protect()):
-            raise _Superseded(step, sum(s > step for s in queued), self.keep_remote)
+            if step in self._let_go():
+                raise _Superseded(sum(s > step for s in self._queue), self.keep_remote)
 
     def _upload(self, step: int) -> None:
         self._superseded(step)
