@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from ._background import jitter, yield_to_training
-from ._catalog import COMMITTED, Catalog
+from ._catalog import Catalog
 from ._errors import CheckpointCorruptError
 from ._format import BAD_DIR
 from ._metrics import record
@@ -470,8 +470,10 @@ class Uploader:
     def _retention(self) -> None:
         if self.keep_remote is None:
             return
-        consistent = [e.step for e in self.remote.entries() if e.state == COMMITTED]
-        for step in to_delete(self.keep_remote, consistent, self.protect()):
+        # the commit records (and bad markers) only: every step committed there was checked
+        # file by file on its way up. Reading each step's manifest and sizing each file, as
+        # this did, cost a run keeping 100 steps of 1,000 ranks 100,000 requests per upload
+        for step in to_delete(self.keep_remote, self.remote.committed_steps(), self.protect()):
             self.remote.delete_step(step)
             log.info("resilient: deleted step %d from %s (retention %r)", step, self.remote.storage.url,
                      self.keep_remote)

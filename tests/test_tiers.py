@@ -123,6 +123,7 @@ class FlakyFS(MemoryFileSystem):
     calls_failed = 0
     fail_next = 0  # fail this many calls more, then answer
     fail_next_data_reads = 0  # the same, counting only reads of data files
+    reads: list[str] = []  # every path read, in order
     _errors = [ConnectionRefusedError("injected: connection refused"), OSError("injected: 503 SlowDown"),
                TimeoutError("injected: read timed out")]
 
@@ -133,6 +134,8 @@ def _failing(name):
     inner = getattr(MemoryFileSystem, name)
 
     def method(self, *a, **k):
+        if name == "cat_file":
+            FlakyFS.reads.append(str(a[0]))
         data_read = name == "cat_file" and str(a[0]).endswith(".data") and FlakyFS.fail_next_data_reads > 0
         if FlakyFS.broken or FlakyFS.fail_next > 0 or data_read:
             FlakyFS.fail_next = max(0, FlakyFS.fail_next - 1)
@@ -170,6 +173,7 @@ for _name in ("rm", "_rm", "rmdir"):
 def flaky():
     fsspec.register_implementation("flaky", FlakyFS, clobber=True)
     FlakyFS.broken, FlakyFS.calls_failed, FlakyFS.fail_next, FlakyFS.fail_next_data_reads = False, 0, 0, 0
+    FlakyFS.reads = []
     yield f"flaky://run-{uuid.uuid4().hex[:6]}"
     FlakyFS.broken, FlakyFS.fail_next, FlakyFS.fail_next_data_reads, FlakyFS.refuse_deletes = False, 0, 0, False
 
@@ -232,6 +236,19 @@ def test_a_bad_marker_the_store_will_not_delete_gives_that_step_up_only(tmp_path
     assert remote.committed_steps() == [2] and remote.is_committed(1)  # step 1's record is there, not offered
     given_up = [r.getMessage() for r in caplog.records if "refuses to delete the bad marker" in r.getMessage()]
     assert given_up and ".bad/step-0000000001 by hand" in given_up[0] and "AccessDenied" in given_up[0], given_up
+
+
+def test_remote_retention_reads_no_manifest(tmp_path, flaky):
+    """Remote retention runs after every upload. It read every remote step's manifest and
+    sized each of its files, so a run keeping many steps of many ranks paid for all of them
+    at every upload (100,000 requests for 100 steps of 1,000 ranks). It needs the commit
+    records only: each step there was checked file by file on its way up."""
+    with Checkpointer(tmp_path / "l", remote=flaky, keep=1, keep_remote=AnyOf(KeepLast(1), KeepEvery(2))) as ckpt:
+        for step in range(1, 9):
+            ckpt.save(step, {"x": torch.full((4,), float(step))})
+            ckpt.flush(timeout=30)
+    assert remote_steps(flaky, {}) == [2, 4, 6, 8]
+    assert [p for p in FlakyFS.reads if p.endswith("manifest.json")] == []
 
 
 def _local_steps(root):
