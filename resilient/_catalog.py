@@ -229,6 +229,8 @@ class Catalog:
         """The whole tensor ``name`` (every saved box placed), into ``out`` if given."""
         import torch  # here: listing and verifying checkpoints (``resilient-ckpt``) need no torch
 
+        from ._snapshot import bitwise
+
         meta = manifest["tensors"][name]
         dtype = dtype_from_name(meta["dtype"])
         full = out if out is not None else torch.empty(meta["shape"], dtype=dtype)
@@ -246,7 +248,7 @@ class Catalog:
             if pos != len(view):
                 raise CheckpointCorruptError(f"tensor {name!r}: pieces hold {pos} of {len(view)} bytes")
             if not whole:
-                full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))] = part
+                bitwise(full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]).copy_(bitwise(part))
             covered += box.numel
         if covered != math.prod(meta["shape"]):
             raise CheckpointCorruptError(f"tensor {name!r}: saved boxes cover {covered} of {math.prod(meta['shape'])} elements")

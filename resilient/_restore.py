@@ -50,10 +50,10 @@ from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
 from ._layout import Box, contiguous_range, intersect
-from ._snapshot import dtensor_box, is_dtensor
+from ._snapshot import bitwise, dtensor_box, is_dtensor
 from ._per_rank import PerRank, Reshard
 from ._rng import decode_rng
-from ._tree import build_value, flatten_target, is_stateful, per_rank_path
+from ._tree import build_value, flatten_target, is_stateful, per_rank_path, tensor_names, without_plain_bytes
 
 __all__ = ["load_checkpoint", "OtherRankFailed"]
 
@@ -153,7 +153,7 @@ def _fill(
             tmp = whole[tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))]
         rel_t = inter.relative_to(target)
         region = tuple(slice(o, o + s) for o, s in zip(rel_t.offsets, rel_t.sizes))
-        copies.append(lambda region=region, tmp=tmp: dest[region].copy_(tmp))
+        copies.append(lambda region=region, tmp=tmp: bitwise(dest[region]).copy_(bitwise(tmp)))
     if covered != target.numel:
         raise CheckpointCorruptError(
             f"tensor {name!r}: saved shards cover {covered} of the {target.numel} elements needed"
@@ -174,6 +174,10 @@ def _along_first_dim(boxes: SavedBoxes, target: Box) -> list[dict[str, Any]]:
 def _check_tensor(name: str, meta: dict[str, Any] | None, target: torch.Tensor, step: int) -> None:
     if meta is None:
         raise StateError(f"key {name!r} is not in the checkpoint of step {step}")
+    unplain = without_plain_bytes(target)
+    if unplain is not None:
+        why, remedy = unplain
+        raise StateError(f"key {name!r}: the state's tensor cannot be restored into: {why}; {remedy}")
     if list(target.shape) != meta["shape"]:
         raise StateError(
             f"key {name!r}: shape mismatch: the state expects {list(target.shape)}, "
@@ -197,12 +201,6 @@ def _without(node: dict[str, Any], names: set[str]) -> dict[str, Any]:
     return node
 
 
-def _tensor_names(node: dict[str, Any]) -> list[str]:
-    names: list[str] = []
-    build_value(node, lambda n: names.append(n))  # type: ignore[func-returns-value]
-    return names
-
-
 def _optimizer_templates(optim: torch.optim.Optimizer, key: str, node: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Saved optimizer-state names -> the parameter whose placement they must take.
 
@@ -220,7 +218,7 @@ def _optimizer_templates(optim: torch.optim.Optimizer, key: str, node: dict[str,
     by_id = {pid: p for pid, p in zip(saved_ids, live) if is_dtensor(p)}
     templates: dict[str, torch.Tensor] = {}
     state_path = f"{key}/state"
-    for name in _tensor_names(saved.get("state", {"t": "v", "v": None})):
+    for name in tensor_names(saved.get("state", {"t": "v", "v": None})):
         pid, _, _field = name[len(state_path) + 1 :].partition("/")
         param = by_id.get(int(pid)) if pid.lstrip("-").isdigit() else None
         if param is not None:
@@ -280,11 +278,11 @@ class _Destination:
 
     def finish(self) -> None:
         if self.local.data_ptr() != self.buffer.data_ptr():
-            self.local.copy_(self.buffer)
+            bitwise(self.local).copy_(bitwise(self.buffer))
         if self.live is None and is_dtensor(self.value):
             local = self.value.to_local()
             if local.data_ptr() != self.buffer.data_ptr():
-                local.copy_(self.buffer)
+                bitwise(local).copy_(bitwise(self.buffer))
 
 
 class _Entry:
@@ -522,7 +520,7 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         # Tensors the target already holds are filled in place (so DTensors keep their
         # sharding); everything else is built fresh from the checkpoint.
         targets = flatten_target(entry.inner, path) if path else {}
-        saved_names = {name for source in entry.sources for name in _tensor_names(source)}
+        saved_names = {name for source in entry.sources for name in tensor_names(source)}
         if not strict:
             targets = {name: t for name, t in targets.items() if name in saved_names}
         for name, t in targets.items():

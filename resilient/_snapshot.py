@@ -25,7 +25,8 @@ from ._format import dtype_itemsize, dtype_name
 from ._hostmem import HostBuffer
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
-__all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view"]
+__all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view",
+           "bitwise"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -38,12 +39,23 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bitwise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (detached) as integers of its element's size, a view: copying that moves the
+    bits whatever the dtype, including those torch has no copy for at all (uint1–7,
+    int1–7: "copy_kernel not implemented", so a transposed one could not be saved)."""
+    as_int = _SAME_SIZE_INT.get(t.element_size())
+    t = t.detach()
+    return t if as_int is None or t.dtype == as_int else t.view(as_int)
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's (local) elements as a flat uint8 tensor, without a copy when possible."""
-    local = t.to_local() if is_dtensor(t) else t
-    local = local.detach()
+    local = (t.to_local() if is_dtensor(t) else t).detach()
     if not local.is_contiguous():
-        local = local.contiguous()
+        local = bitwise(local).contiguous()
     return local.reshape(-1).view(torch.uint8)
 
 

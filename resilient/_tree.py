@@ -16,12 +16,45 @@ import torch
 from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE
 from ._per_rank import PerRank
+from ._snapshot import is_dtensor
 
-__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path"]
+__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path",
+           "tensor_names", "without_plain_bytes"]
 
 _SCALARS = (type(None), bool, int, float, str)
 #: torch's dtypes that the format can name (a set lookup per tensor on the save's path)
 _SAVABLE_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name))
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_META_REMEDY = "materialize it first (module.to_empty(device=...), then initialize or restore it)"
+
+
+def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
+    """(why, what to do) when the tensor's elements are not plain bytes in memory that a
+    checkpoint can copy out or read into; None when they are. Caught here, by name, because
+    each of these fails later and far from the user's key otherwise: a quantized tensor's
+    copy crashed the process, a meta tensor was "restored" by a copy that does nothing, and
+    a wrapper subclass raised torch's "invalid python storage" naming nothing."""
+    if (t.layout is torch.strided and not (t.is_nested or t.is_quantized or t.is_meta)
+            and type(t) in _PLAIN_TYPES):
+        return None  # the common case in one test: this runs for every tensor of every save
+    if t.is_nested:
+        return "it is a nested tensor", "save its components (tensor.unbind()) instead"
+    if t.is_sparse or t.layout != torch.strided:
+        return f"it has layout {t.layout}", "convert it to a dense tensor first"
+    if t.is_quantized:
+        return ("it is a quantized tensor, whose scale and zero point the format does not store",
+                "save tensor.int_repr() with tensor.q_scale() and tensor.q_zero_point(), or tensor.dequantize()")
+    if t.is_meta:
+        return "it is on the meta device and has no data", _META_REMEDY
+    if not is_dtensor(t):
+        try:
+            t.untyped_storage().data_ptr()  # a wrapper's own data_ptr() is 0, not an error
+        except RuntimeError:
+            return (f"it is a {type(t).__qualname__}, a tensor subclass without storage of its own",
+                    "save the plain tensors it wraps (or their state_dict)")
+    return None
 
 
 def is_stateful(obj: Any) -> bool:
@@ -43,7 +76,10 @@ def per_rank_path(key: str, rank: int) -> str:
 class Flattened:
     """The result of flattening: ``tree`` (JSON-able) and ``tensors`` (name -> tensor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, saving: bool = True) -> None:
+        # Restore targets (saving=False) keep every tensor, savable or not: restore then
+        # names the one it cannot fill, instead of rebuilding the whole entry around it.
+        self.saving = saving
         self.tree: dict[str, Any] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.per_rank: set[str] = set()  # names of tensors under PerRank entries
@@ -59,12 +95,11 @@ class Flattened:
 
     def encode(self, obj: Any, path: str, *, expand_stateful: bool) -> dict[str, Any]:
         if isinstance(obj, torch.Tensor):
-            if obj.is_sparse or obj.layout != torch.strided:
-                raise UnsupportedStateError(
-                    f"state[{path!r}]: {obj.layout} tensors cannot be checkpointed; "
-                    "convert to a dense tensor first"
-                )
-            if obj.dtype not in _SAVABLE_DTYPES:
+            unplain = without_plain_bytes(obj) if self.saving else None
+            if unplain is not None:
+                why, remedy = unplain
+                raise UnsupportedStateError(f"state[{path!r}]: {why}, so it cannot be checkpointed; {remedy}")
+            if self.saving and obj.dtype not in _SAVABLE_DTYPES:
                 raise UnsupportedStateError(
                     f"state[{path!r}]: dtype {obj.dtype} is not one the checkpoint format knows "
                     "(resilient._format.DTYPE_ITEMSIZE); convert the tensor first"
@@ -134,7 +169,7 @@ def flatten_state(state: Mapping[str, Any], rank: int = 0) -> Flattened:
 
 def flatten_target(obj: Any, path: str) -> dict[str, torch.Tensor]:
     """Tensors of a restore target (after expanding ``state_dict``), by checkpoint name."""
-    flat = Flattened()
+    flat = Flattened(saving=False)
     try:
         flat.encode(obj, path, expand_stateful=True)
     except UnsupportedStateError:
@@ -142,6 +177,13 @@ def flatten_target(obj: Any, path: str) -> dict[str, torch.Tensor]:
         # value slot); they are replaced by the checkpoint's value, so they are not an error.
         return {}
     return flat.tensors
+
+
+def tensor_names(node: dict[str, Any]) -> list[str]:
+    """Names of the tensors a saved tree holds, in tree order."""
+    names: list[str] = []
+    build_value(node, lambda n: names.append(n))  # type: ignore[func-returns-value]
+    return names
 
 
 def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor]) -> Any:

@@ -40,7 +40,7 @@ def local_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dtensor_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("cli-dt") / "ckpt")
-    run_ranks("dtensor_save", 2, {"root": root}, env={"FORCE_DIST": "1"})
+    run_ranks("dtensor_save", 2, {"root": root, "uint4": False}, env={"FORCE_DIST": "1"})
     return root
 
 
@@ -159,8 +159,26 @@ def test_export_of_dtensor_checkpoint_is_world_size_free(capsys, dtensor_root, t
     out = str(tmp_path / "t.pt")
     assert run(capsys, "export", dtensor_root, out, "--format", "torch", "--key", "t")[0] == 0
     loaded = torch.load(out, weights_only=True)
-    for name, full in dtensor_box_tensors_full().items():
+    for name, full in dtensor_box_tensors_full(uint4=False).items():
         assert torch.equal(loaded[name], full), name
+
+
+def test_export_refuses_a_dtype_the_format_cannot_hold_before_reading_naming_the_tensor(capsys, tmp_path):
+    """torch.save has no uint4, DCP no bits8: the export stops at once, naming the tensor and
+    the formats that can hold it, instead of torch's KeyError after assembling the state."""
+    root = str(tmp_path / "ckpt")
+    bits = torch.arange(8, dtype=torch.uint8).view(torch.bits8)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3), "packed": {"bits": bits}})
+        ckpt.save(2, {"w": torch.ones(3), "packed": {"bits": bits, "q": torch.zeros(4, dtype=torch.uint8).view(torch.uint4)}})
+    code, _, err = run(capsys, "export", root, str(tmp_path / "a"), "--format", "dcp", "--step", "1")
+    assert code != 0 and "tensor 'packed/bits': --format dcp cannot hold dtype bits8; export with --format torch" in err
+    code, _, err = run(capsys, "export", root, str(tmp_path / "b"), "--format", "torch")
+    assert code != 0 and "tensor 'packed/q': --format torch cannot hold dtype uint4; no export format can hold it" in err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing written, no scratch left
+    assert run(capsys, "export", root, str(tmp_path / "c.pt"), "--format", "torch", "--step", "1")[0] == 0
+    loaded = torch.load(str(tmp_path / "c.pt"), weights_only=True)
+    assert torch.equal(loaded["packed"]["bits"].view(torch.uint8), bits.view(torch.uint8))
 
 
 def test_export_memory_stays_bounded(tmp_path):

@@ -51,6 +51,45 @@ def test_a_dtype_the_format_does_not_know_is_refused_at_save_naming_the_key(root
     assert [n for n in os.listdir(root) if not n.startswith(".")] == []
 
 
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass (as torchao's quantized weights are): no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "_Wrapper":
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, _Wrapper) else x  # noqa: E731
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+_NO_PLAIN_BYTES = {
+    # A quantized tensor's copy crashed the whole process (SIGSEGV) before it was refused.
+    "quantized": (lambda: torch.quantize_per_tensor(torch.randn(3, 4), 0.1, 0, torch.qint8),
+                  "quantized tensor.*int_repr"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)]), "nested tensor.*unbind"),
+    "meta": (lambda: torch.empty(3, 4, device="meta"), "meta device and has no data.*to_empty"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "layout torch.sparse_csr.*dense"),
+    "wrapper": (lambda: _Wrapper(torch.ones(3)), "_Wrapper, a tensor subclass without storage"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", sorted(_NO_PLAIN_BYTES))
+def test_a_tensor_without_plain_bytes_is_refused_at_save_naming_the_key(root, kind):
+    make, why = _NO_PLAIN_BYTES[kind]
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=rf"state\['extra/odd'\]: it .*{why}"):
+            ckpt.save(1, {"model": torch.nn.Linear(2, 2), "extra": {"odd": make()}})
+        ckpt.wait()
+        assert ckpt.latest() is None
+    assert [n for n in os.listdir(root) if not n.startswith(".")] == []
+
+
 @pytest.fixture
 def saved(root):
     model = torch.nn.Linear(4, 3)
@@ -103,3 +142,27 @@ def test_bad_arguments(root):
             ckpt.save(-1, {"x": torch.ones(1)})
         with pytest.raises(ValueError, match="needs a state"):
             ckpt.save(1)
+
+
+def test_restoring_into_a_module_on_the_meta_device_is_refused_naming_the_key(saved):
+    """Before, the copy into a meta tensor did nothing and restore reported step 5 restored:
+    the model stayed without weights."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    with Checkpointer(saved) as ckpt:
+        with pytest.raises(StateError, match=r"key 'model/weight': .*meta device.*to_empty"):
+            ckpt.restore({"model": model})
+        model.to_empty(device="cpu")
+        assert ckpt.restore({"model": model}) == 5
+    expected = torch.nn.Linear(4, 3)
+    with Checkpointer(saved) as ckpt:
+        ckpt.restore({"model": expected})
+    assert torch.equal(model.weight, expected.weight) and torch.equal(model.bias, expected.bias)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_restoring_into_a_quantized_tensor_is_refused_naming_the_key(saved):
+    target = torch.quantize_per_tensor(torch.zeros(4), 0.1, 0, torch.qint8)
+    with Checkpointer(saved) as ckpt:
+        with pytest.raises(StateError, match=r"key 'extra': .*quantized tensor"):
+            ckpt.restore({"extra": target})

@@ -11,9 +11,12 @@ from resilient._restore import _Destination, _FinishWhenRead
 pytestmark = pytest.mark.timeout(120)
 
 
-def _strided(rows: int, cols: int) -> torch.Tensor:
-    """A live tensor the reads cannot land in: the transpose of a contiguous one."""
-    return torch.zeros(cols, rows).t()
+def _strided(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A live tensor the reads cannot land in: the transpose of a contiguous one (uint4's
+    zeros made as bytes: torch cannot fill it)."""
+    if dtype == torch.uint4:
+        return torch.zeros(cols, rows, dtype=torch.uint8).view(dtype).t()
+    return torch.zeros(cols, rows, dtype=dtype).t()
 
 
 def test_each_destination_is_finished_by_its_last_read():
@@ -62,15 +65,15 @@ def test_strided_tensors_restored_from_shards_of_another_world(tmp_path):
     tensors: each is assembled from both ranks' boxes (reads into scratch, then copies)
     before its finish."""
     from .launch import run_ranks
-    from .workers import dtensor_box_tensors_full
+    from .workers import dtensor_box_tensors_full, same_values
 
     root = str(tmp_path / "run")
     run_ranks("dtensor_save", 2, {"root": root}, env={"FORCE_DIST": "1"})
     full = dtensor_box_tensors_full()
-    target = {name: _strided(*t.shape).to(t.dtype) if t.dim() == 2 else torch.zeros(2 * t.numel(), dtype=t.dtype)[::2]
+    target = {name: _strided(*t.shape, t.dtype) if t.dim() == 2 else torch.zeros(2 * t.numel(), dtype=t.dtype)[::2]
               for name, t in full.items()}
     assert not any(t.is_contiguous() for t in target.values())
     with Checkpointer(root) as ckpt:
         assert ckpt.restore({"t": target}) == 5
     for name, t in full.items():
-        assert torch.equal(target[name], t), name
+        assert same_values(target[name], t), name

@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import psutil
+import pytest
 import torch
 
 from resilient import Checkpointer, KeepEvery, KeepLast, AnyOf
@@ -56,6 +57,48 @@ def tensors_zoo():
         "empty": torch.empty(0, 4),
         "transposed": torch.arange(6.0).reshape(2, 3).t(),
     }
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    from resilient._snapshot import byte_view
+
+    return byte_view(t)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_every_dtype_torch_can_hold_round_trips_bitwise_contiguous_or_not(root):
+    """Random bytes in every dtype the format names that torch lets a plain tensor hold,
+    stored as they are and transposed. The sub-byte and shell dtypes (uint4, int1, bits8)
+    have no copy kernel in torch: a transposed one could not be saved before."""
+    from resilient._format import DTYPE_ITEMSIZE
+
+    g = torch.Generator().manual_seed(5)
+    state: dict[str, torch.Tensor] = {}
+    for name, size in DTYPE_ITEMSIZE.items():
+        if name.startswith(("qint", "quint")):  # quantized: refused, see test_errors.py
+            continue
+        raw = torch.randint(0, 256, (3, 4 * size), dtype=torch.uint8, generator=g)
+        state[name] = raw.view(getattr(torch, name))
+        state[f"{name}.t"] = state[name].t()
+    assert {"float8_e4m3fn", "float4_e2m1fn_x2", "uint4", "int1", "bits8", "complex32"} <= set(state)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"zoo": state})
+    # zeros of each dtype, made through a dtype of its size that torch can fill; laid out
+    # as the saved tensor is (the transposed ones as a view of a contiguous tensor)
+    by_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
+    targets = {}
+    for name, t in state.items():
+        shape = t.t().shape if name.endswith(".t") else t.shape
+        zeros = torch.zeros(shape, dtype=by_size[t.element_size()]).view(t.dtype)
+        targets[name] = zeros.t() if name.endswith(".t") else zeros
+    restored = {"zoo": dict(targets)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(restored) == 1
+    for name, t in state.items():
+        got = restored["zoo"][name]
+        assert got is targets[name], name  # filled in place, transposed ones too
+        assert got.dtype == t.dtype and got.shape == t.shape and got.stride() == t.stride(), name
+        assert torch.equal(_bytes_of(got), _bytes_of(t)), name
 
 
 def test_every_state_kind_round_trips_bitwise(root):

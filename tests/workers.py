@@ -87,31 +87,50 @@ def kill_during_write(a: dict) -> None:
     ckpt.wait()  # the survivor cannot commit: it times out waiting for the victim
 
 
-def dtensor_box_tensors(world: int) -> dict:
+def dtensor_box_tensors(world: int, uint4: bool = True) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    from torch.distributed.tensor import DTensor
+
     mesh = init_device_mesh("cpu", (world,))
-    full = dtensor_box_tensors_full()
-    return {
+    full = dtensor_box_tensors_full(uint4)
+    # "d": a dtype torch has no copy kernel for, sharded across its columns (each rank's
+    # part a strided view), placed by hand: gloo has no collective for it either
+    tensors = {
         "a": distribute_tensor(full["a"], mesh, [Shard(0)]),
         "b": distribute_tensor(full["b"], mesh, [Shard(1)]),
         "c": distribute_tensor(full["c"], mesh, [Replicate()]),
         "plain": full["plain"].clone(),
-    }, full
+    }
+    if uint4:
+        d = full["d"]  # made afresh by each call: nothing to clone (uint4 has no copy either)
+        tensors["d"] = DTensor.from_local(d.tensor_split(world, dim=1)[mesh.get_local_rank()], mesh, [Shard(1)],
+                                          run_check=False, shape=d.shape, stride=d.stride())
+    return tensors, full
 
 
-def dtensor_box_tensors_full() -> dict:
-    """The full values of the tensors ``dtensor_box_tensors`` distributes."""
+def dtensor_box_tensors_full(uint4: bool = True) -> dict:
+    """The full values of the tensors ``dtensor_box_tensors`` distributes (with "d", of a
+    dtype no export format can hold, unless ``uint4`` is False)."""
     g = torch.Generator().manual_seed(7)
     full_a = torch.randn(10, 6, generator=g)
     full_b = torch.randn(5, 3, generator=g).to(torch.bfloat16)
-    return {"a": full_a, "b": full_b, "c": torch.arange(21, dtype=torch.int64), "plain": torch.linspace(0, 1, 33)}
+    full_d = torch.randint(0, 256, (4, 6), dtype=torch.uint8, generator=g).view(torch.uint4)
+    full = {"a": full_a, "b": full_b, "c": torch.arange(21, dtype=torch.int64), "plain": torch.linspace(0, 1, 33)}
+    return {**full, "d": full_d} if uint4 else full
+
+
+def same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal element for element; uint4, which torch cannot compare, as its bytes."""
+    if want.dtype == torch.uint4:
+        return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    return torch.equal(got, want)
 
 
 def dtensor_save(a: dict) -> None:
     rank, world = init()
-    tensors, _ = dtensor_box_tensors(world)
+    tensors, _ = dtensor_box_tensors(world, a.get("uint4", True))
     with Checkpointer(a["root"], keep=None) as ckpt:
         ckpt.save(a.get("step", 5), {"t": tensors})
 
@@ -122,13 +141,17 @@ def dtensor_load(a: dict) -> None:
     tensors, full = dtensor_box_tensors(world)
     with torch.no_grad():
         for t in tensors.values():
-            (t.to_local() if hasattr(t, "to_local") else t).zero_()
+            local = t.to_local() if hasattr(t, "to_local") else t
+            (local.view(torch.uint8) if local.dtype == torch.uint4 else local).zero_()
     state = {"t": dict(tensors)}
     with Checkpointer(a["root"]) as ckpt:
         step = ckpt.restore(state)
     assert step == a["expect_step"], (step, a["expect_step"])
     for name, t in tensors.items():
         assert state["t"][name] is t, f"{name} was not loaded in place"
+        if name == "d":  # no collective for uint4: this rank's columns
+            assert same_values(t.to_local(), full["d"].tensor_split(world, dim=1)[rank]), name
+            continue
         got = t.full_tensor() if hasattr(t, "full_tensor") else t
         assert torch.equal(got, full[name]), name
     print(f"rank {rank} dtensor ok at step {step}", flush=True)

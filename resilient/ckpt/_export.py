@@ -11,12 +11,16 @@ import this module for its names and need no torch.
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import math
 import os
 import shutil
 import struct
+import tempfile
 import uuid
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from .._catalog import Catalog
@@ -40,6 +44,38 @@ _SAFETENSORS_DTYPES = {
 
 class ExportError(ValueError):
     """The checkpoint cannot be expressed in the requested format (names the tensor)."""
+
+
+@functools.cache
+def _holds(fmt: str, dtype: str) -> bool:
+    """Whether ``fmt`` can store a tensor of ``dtype``: asked of the writer itself, on an
+    empty tensor (torch.save and DCP lack the sub-byte and shell dtypes, and which they
+    lack changes with torch's version), so that the export stops before reading anything
+    rather than after assembling gigabytes, with torch's KeyError naming no tensor."""
+    if fmt == "safetensors":
+        return dtype in _SAFETENSORS_DTYPES
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    empty = {"x": torch.empty(0, dtype=dtype_from_name(dtype))}
+    try:
+        if fmt == "torch":
+            torch.save(empty, io.BytesIO())
+        else:
+            with tempfile.TemporaryDirectory() as probe:
+                _write_dcp(empty, probe)
+    except (Exception, CheckpointException):
+        return False
+    return True
+
+
+def _refuse_what_the_format_cannot_hold(manifest: dict[str, Any], names: list[str], fmt: str) -> None:
+    for name in names:
+        dtype = manifest["tensors"][name]["dtype"]
+        if not _holds(fmt, dtype):
+            others = [f for f in FORMATS if f != fmt and _holds(f, dtype)]
+            hint = f"export with --format {' or '.join(others)}" if others else "no export format can hold it"
+            raise ExportError(f"tensor {name!r}: --format {fmt} cannot hold dtype {dtype}; {hint}")
 
 
 def _scratch_tensor(scratch: str, index: int, meta: dict[str, Any]) -> torch.Tensor:
@@ -109,7 +145,9 @@ def _write_dcp(obj: Any, path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = obj if isinstance(obj, dict) else {"value": obj}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    with warnings.catch_warnings():  # one process is what no_dist says: not worth a warning
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
 
 
 def export(catalog: Catalog, step: int, fmt: str, out: str, *, key: str | None = None,
@@ -130,6 +168,10 @@ def export(catalog: Catalog, step: int, fmt: str, out: str, *, key: str | None =
         entries = dict(manifest["ranks"][0]["tree"]["items"])
         if key is not None and key not in entries:
             raise ExportError(f"--key {key!r} is not in step {step} (it holds: {', '.join(map(str, entries))})")
+        from .._tree import tensor_names
+
+        tree = entries[key] if key is not None else manifest["ranks"][0]["tree"]
+        _refuse_what_the_format_cannot_hold(manifest, tensor_names(tree), fmt)
         count = iter(range(1 << 62))
         obj, _ = catalog.read_state(manifest, step, key, progress=progress,
                                     allocate=lambda meta: _scratch_tensor(scratch, next(count), meta))
