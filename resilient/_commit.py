@@ -24,6 +24,7 @@ dead rank becomes a ``CommitError`` naming it rather than a hang.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -312,21 +313,18 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
             )
     unchanged = all({"meta", "rows"} <= r.header.get("kept", {}).keys() for r in reports)
     sharded = (held.boxes if held is not None and unchanged else None) or _sharded_boxes(first_meta, reports)
-    boxes = dict(sharded)
     replicated: dict[str, list[list[Any]]] = {}
     for r in reports:
         for name, start, length, offset in ([] if r.replicated == _NONE_REPLICATED
                                             else json.loads(_deflate.decompress(r.replicated))):
             replicated.setdefault(name, []).append([start, r.header["file"], offset, length])
+    whole: dict[str, list[dict[str, Any]]] = {}  # replicated tensors' one box each
     for name, meta in first_meta.items():
         if meta["layout"] == "replicated" and "same_as" not in meta:
             parts = sorted(replicated.get(name, []), key=lambda p: p[0])
-            boxes[name] = [_json({"offsets": [0] * len(meta["shape"]), "sizes": meta["shape"],
-                                  "pieces": [[f, o, n] for _, f, o, n in parts]})]
-    tensors = [  # tied tensors: written once, every name finds the pieces
-        _json(name) + b":" + _json(meta)[:-1] + b',"boxes":[' + b",".join(boxes.get(meta.get("same_as", name), []))
-        + b"]}" for name, meta in first_meta.items()
-    ]
+            whole[name] = [{"offsets": [0] * len(meta["shape"]), "sizes": meta["shape"],
+                            "pieces": [[f, o, n] for _, f, o, n in parts]}]
+    tensors = _tensors_json(first_meta, whole, sharded)
     files = [_json(r.header["file"]) + b":" + _deflate.decompress(r.record)
              for r in reports if r.header["file"] is not None]
     trees, rngs = _Distinct(), _Distinct()  # trees told apart deflated, inflated once each
@@ -339,9 +337,33 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
     head = _json({"format": FORMAT, "version": VERSION, "step": step, "world_size": len(reports),
                   "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec,
                   "chunk_bytes": first.header["chunk_bytes"]})
-    return b"".join([head[:-1], b',"files":{', b",".join(files), b'},"tensors":{', b",".join(tensors),
-                     b'},"trees":[', b",".join(map(_deflate.decompress, trees.kept)), b'],"rngs":[', b",".join(rngs.kept),
+    return b"".join([head[:-1], b',"files":{', b",".join(files), b'},"tensors":', tensors,
+                     b',"trees":[', b",".join(map(_deflate.decompress, trees.kept)), b'],"rngs":[', b",".join(rngs.kept),
                      b'],"ranks":', ranks, b"}"])
+
+
+#: where ``_tensors_json`` splices a tensor's encoded boxes: only a key can match, since a
+#: quote inside a JSON string is always escaped
+_BOXES_MARK = re.compile(rb'"boxes":(\d+)\}')
+
+
+def _tensors_json(meta: dict[str, Any], whole: dict[str, list[dict[str, Any]]],
+                  encoded: dict[str, list[bytes]]) -> bytes:
+    """The manifest's ``tensors`` object: each tensor's fields with its boxes, those of
+    ``whole`` as values, those already ``encoded`` (sharded tensors' runs) spliced in. Tied
+    tensors (``same_as``) are written once: every name finds the pieces. One encoding of
+    the whole object, not three small ones per tensor: at 20,000 tensors those took 0.5 s
+    of the commit's 0.8 s."""
+    spliced: list[bytes] = []
+    fields: dict[str, Any] = {}
+    for name, tensor in meta.items():
+        source = tensor.get("same_as", name)
+        if source in whole:
+            fields[name] = {**tensor, "boxes": whole[source]}
+        else:
+            fields[name] = {**tensor, "boxes": len(spliced)}
+            spliced.append(b'"boxes":[' + b",".join(encoded.get(source, [])) + b"]}")
+    return _BOXES_MARK.sub(lambda match: spliced[int(match[1])], _json(fields))
 
 
 def _rank_rng(encoded: bytes, rngs: "_Distinct") -> bytes:

@@ -319,6 +319,22 @@ def copy_ranges(length: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in ((0, bulk), (bulk, length)) if hi > lo]
 
 
+def _storage_short(name: str, t: torch.Tensor) -> UnsupportedStateError | None:
+    """The error naming a tensor whose storage holds less than its shape needs (None when
+    it does not): what FSDP leaves of an unsharded parameter, freed with
+    ``untyped_storage().resize_(0)`` after forward."""
+    local = (t.to_local() if is_dtensor(t) else t).detach()
+    have = local.untyped_storage().nbytes()
+    need = (local.storage_offset() + sum((n - 1) * s for n, s in zip(local.shape, local.stride())) + 1) \
+        * local.element_size() if local.numel() else 0
+    if have >= need:
+        return None
+    return UnsupportedStateError(
+        f"state[{name!r}]: its storage holds {have} bytes, fewer than the {need} its shape "
+        f"{list(local.shape)} needs (freed with untyped_storage().resize_(0), as FSDP does to "
+        "unsharded parameters?); save it while its storage is whole, or save the sharded state")
+
+
 class Staging:
     """One host buffer, allocated on first use and reused: memory does not grow per save.
 
@@ -420,9 +436,19 @@ class Staging:
         """Copy ``blobs`` in order, calling ``on_blob(place, blob)`` after each one's copy
         (on CUDA: once it is enqueued)."""
         for place, blob in enumerate(blobs):
-            src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
-            for lo, hi in copy_ranges(blob.length):
-                buffer[blob.offset + lo : blob.offset + hi].copy_(src[lo:hi], non_blocking=non_blocking)
+            # sliced even when the blob is the whole tensor: the slice checks the bounds of
+            # its storage, which copy_ does not (a storage freed by resize_(0) crashed it)
+            try:
+                src = byte_view(tensors[blob.name])[blob.start : blob.start + blob.length]
+            except RuntimeError as exc:
+                raise _storage_short(blob.name, tensors[blob.name]) or exc from exc
+            dest = buffer[blob.offset : blob.offset + blob.length]
+            ranges = copy_ranges(blob.length)
+            if len(ranges) == 1:  # no slices to make (a few µs a tensor, in the stall)
+                dest.copy_(src, non_blocking=non_blocking)
+            else:
+                for lo, hi in ranges:
+                    dest[lo:hi].copy_(src[lo:hi], non_blocking=non_blocking)
             on_blob(place, blob)
 
     def _stage_on_device(self, buffer: torch.Tensor, tensors: dict[str, torch.Tensor], now: list[Blob],

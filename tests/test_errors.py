@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from resilient import Checkpointer, StateError, StorageError, UnsupportedStateError
+from resilient import Checkpointer, CommitError, StateError, StorageError, UnsupportedStateError
 
 
 def test_unwritable_root_is_named(tmp_path):
@@ -86,6 +86,20 @@ def test_a_tensor_without_plain_bytes_is_refused_at_save_naming_the_key(root, ki
         with pytest.raises(UnsupportedStateError, match=rf"state\['extra/odd'\]: it .*{why}"):
             ckpt.save(1, {"model": torch.nn.Linear(2, 2), "extra": {"odd": make()}})
         ckpt.wait()
+        assert ckpt.latest() is None
+    assert [n for n in os.listdir(root) if not n.startswith(".")] == []
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_at_save_naming_the_key(root):
+    """As FSDP frees an unsharded parameter after forward: copying from it read freed memory."""
+    freed = torch.randn(4, 4)
+    freed.untyped_storage().resize_(0)
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"state\['model/w'\]: its storage holds 0 bytes, fewer "
+                                                        r"than the 64 its shape \[4, 4\] needs .*resize_\(0\)"):
+            ckpt.save(1, {"model": {"w": freed}})
+        with pytest.raises(CommitError, match="step 1 was not committed.*its storage holds 0 bytes"):
+            ckpt.wait()  # found in the copy, once the save was under way: it fails as a save
         assert ckpt.latest() is None
     assert [n for n in os.listdir(root) if not n.startswith(".")] == []
 
