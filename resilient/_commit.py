@@ -221,9 +221,12 @@ def encode_report(report: dict[str, Any], sent: SentPieces | None = None) -> byt
     ndim = max((len(m["shape"]) for m in report["meta"].values()), default=0)
     written = report["record"]  # None: a rank with nothing of its own to write has no file
     record = None if written is None else {k: written[k] for k in ("bytes", "logical", "footer")}
+    def planned(kind: str) -> bytes:  # a piece of the rank's save plan, encoded once a plan
+        return _json(report[kind]) if sent is None else sent.encoded(kind, report[kind], _json)
+
     pieces = dict(zip(_PIECES, (_deflate.compress(p, 1) for p in (
-        _json(report["meta"]), _json(record), _json(report["tree"]), _json(report["rng"]),
-        box_rows(report["shards"], names, ndim).tobytes(), _json(report["replicated"])))))
+        planned("meta"), _json(record), _json(report["tree"]), _json(report["rng"]),
+        box_rows(report["shards"], names, ndim).tobytes(), planned("replicated")))))
     named: dict[str, dict[str, str]] = {"kept": {}, "digests": {}}  # pieces left out, pieces sent whole
     if sent is not None:
         for kind in KEPT_PIECES:
@@ -301,9 +304,9 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
     if failures:
         raise CommitError(step, failures)
     first = reports[0]
-    first_meta = json.loads(_deflate.decompress(first.meta))
     for r in reports[1:]:
         if r.header["signature"] != first.header["signature"]:
+            first_meta = json.loads(_deflate.decompress(first.meta))
             meta = json.loads(_deflate.decompress(r.meta))
             keys = sorted(set(meta) ^ set(first_meta)) or sorted(k for k in meta if meta[k] != first_meta.get(k))
             raise CommitError(
@@ -311,20 +314,19 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
                 {r.header["rank"]: f"its state differs from rank {first.header['rank']}'s at {keys[:5]} "
                  "(every rank must save the same names, shapes and dtypes)"},
             )
-    unchanged = all({"meta", "rows"} <= r.header.get("kept", {}).keys() for r in reports)
-    sharded = (held.boxes if held is not None and unchanged else None) or _sharded_boxes(first_meta, reports)
-    replicated: dict[str, list[list[Any]]] = {}
-    for r in reports:
-        for name, start, length, offset in ([] if r.replicated == _NONE_REPLICATED
-                                            else json.loads(_deflate.decompress(r.replicated))):
-            replicated.setdefault(name, []).append([start, r.header["file"], offset, length])
-    whole: dict[str, list[dict[str, Any]]] = {}  # replicated tensors' one box each
-    for name, meta in first_meta.items():
-        if meta["layout"] == "replicated" and "same_as" not in meta:
-            parts = sorted(replicated.get(name, []), key=lambda p: p[0])
-            whole[name] = [{"offsets": [0] * len(meta["shape"]), "sizes": meta["shape"],
-                            "pieces": [[f, o, n] for _, f, o, n in parts]}]
-    tensors = _tensors_json(first_meta, whole, sharded)
+    kept = [r.header.get("kept", {}).keys() for r in reports]
+    files_of = tuple(r.header["file"] for r in reports)
+    # every rank's tensors, boxes and parts as at the last committed save: so is the
+    # manifest's tensors section (at 26,800 tensors, 0.6 s of decoding and encoding again)
+    tensors = held.tensors(files_of) if held is not None and all(_LAYOUT_PIECES <= k for k in kept) else None
+    if tensors is not None:
+        assert held is not None and held.boxes is not None
+        sharded = held.boxes
+    else:
+        first_meta = json.loads(_deflate.decompress(first.meta))
+        unchanged = all({"meta", "rows"} <= k for k in kept)
+        sharded = (held.boxes if held is not None and unchanged else None) or _sharded_boxes(first_meta, reports)
+        tensors = _tensors_json(first_meta, _replicated_boxes(first_meta, reports), sharded)
     files = [_json(r.header["file"]) + b":" + _deflate.decompress(r.record)
              for r in reports if r.header["file"] is not None]
     trees, rngs = _Distinct(), _Distinct()  # trees told apart deflated, inflated once each
@@ -333,13 +335,35 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
     if held is not None:
         held.propose({r.header["rank"]: {kind: getattr(r, kind) for kind in KEPT_PIECES} for r in reports},
                      {r.header["rank"]: {**r.header.get("digests", {}), **r.header.get("kept", {})} for r in reports},
-                     sharded)
+                     sharded, (files_of, tensors))
     head = _json({"format": FORMAT, "version": VERSION, "step": step, "world_size": len(reports),
                   "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec,
                   "chunk_bytes": first.header["chunk_bytes"]})
     return b"".join([head[:-1], b',"files":{', b",".join(files), b'},"tensors":', tensors,
                      b',"trees":[', b",".join(map(_deflate.decompress, trees.kept)), b'],"rngs":[', b",".join(rngs.kept),
                      b'],"ranks":', ranks, b"}"])
+
+
+#: the report's pieces the manifest's tensors section is made of (with the ranks' files)
+_LAYOUT_PIECES = {"meta", "rows", "replicated"}
+
+
+def _replicated_boxes(meta: dict[str, Any], reports: list[_Report]) -> dict[str, list[dict[str, Any]]]:
+    """Each replicated tensor's one box: its parts, from every rank that wrote one, in order."""
+    parts: dict[str, list[list[Any]]] = {}
+    for r in reports:
+        for name, start, length, offset in ([] if r.replicated == _NONE_REPLICATED
+                                            else json.loads(_deflate.decompress(r.replicated))):
+            parts.setdefault(name, []).append([start, r.header["file"], offset, length])
+    whole: dict[str, list[dict[str, Any]]] = {}
+    for name, tensor in meta.items():
+        if tensor["layout"] == "replicated" and "same_as" not in tensor:
+            mine = parts.get(name, [])
+            if len(mine) > 1:
+                mine.sort(key=lambda p: p[0])
+            whole[name] = [{"offsets": [0] * len(tensor["shape"]), "sizes": tensor["shape"],
+                            "pieces": [[f, o, n] for _, f, o, n in mine]}]
+    return whole
 
 
 #: where ``_tensors_json`` splices a tensor's encoded boxes: only a key can match, since a

@@ -130,3 +130,32 @@ def test_a_report_that_leaves_pieces_out_without_a_memo_on_rank_0_is_refused():
         assemble_manifest(2, [encode_report(report(0, 1), sent)], "none")
     assert "rank 0 holds no earlier report" in caught.value.failures[0]
 
+
+
+def test_a_checkpointers_manifests_follow_its_state_when_pieces_are_reused(tmp_path):
+    """One process, saves in a row: the second reuses the first's encoded plan and tensors
+    section, the third adds a tensor, the fourth changes a shape, the fifth goes back to the
+    first state. Each step restores to exactly what was saved at it."""
+    import torch
+
+    from resilient import Checkpointer
+    from resilient._format import decode_manifest
+
+    g = torch.Generator().manual_seed(4)
+    first = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)}
+    states = {1: first, 2: {k: v + 1 for k, v in first.items()},
+              3: {**first, "extra": torch.arange(4.0)}, 4: {"w": torch.randn(2, 3, generator=g), "b": first["b"]},
+              5: first}
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, keep=None, rng=False) as ckpt:
+        for step, state in states.items():
+            ckpt.save(step, {"m": state})
+            ckpt.wait()
+    for step, state in states.items():
+        manifest = decode_manifest((tmp_path / "ckpt" / f"step-{step:010d}" / "manifest.json").read_bytes(), "m")
+        assert sorted(manifest["tensors"]) == sorted(f"m/{k}" for k in state)
+        assert all(manifest["tensors"][f"m/{k}"]["shape"] == list(v.shape) for k, v in state.items())
+        target = {"m": {k: torch.zeros_like(v) for k, v in state.items()}}
+        with Checkpointer(root, rng=False) as ckpt:
+            assert ckpt.restore(target, step=step) == step
+        assert all(torch.equal(target["m"][k], v) for k, v in state.items()), step
