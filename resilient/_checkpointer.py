@@ -24,6 +24,7 @@ from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError, StorageError
 from ._events import EventLog
 from ._format import MANIFEST, REMOTE_RECORD, data_file_name, decode_manifest, step_dir_name
+from ._gc_pause import gc_paused
 from ._local import LocalTier
 from ._peer_memory import PeerMemory
 from ._preempt import grace_seconds
@@ -419,7 +420,8 @@ class Checkpointer:
             self._claim_root()
         handle = SaveHandle(step, on_settle=self._count)
         self._events.emit("save_started", step=step)
-        flat = flatten_state(state, self._coord.rank)  # raises on unsupported values before anything is written
+        with gc_paused():  # a node for each tensor: see _gc_pause
+            flat = flatten_state(state, self._coord.rank)  # raises on unsupported values before anything is written
         previous = self._inflight
         if previous is not None:
             previous._done.wait()  # the staging buffer is still being written from

@@ -339,7 +339,8 @@ class ChunkedFile:
         self._fd: int | None = None
         self._lock = threading.Lock()
         self.chunks = chunks_of(record, self._read_range, path)
-        self._starts = [c[0] for c in self.chunks]
+        self._rows = list(self.chunks)  # plain lists: indexed a few times per tensor read
+        self._starts = [c[0] for c in self._rows]
 
     def _read_range(self, start: int, end: int) -> bytes:
         return os.pread(self._open(), end - start, start)
@@ -364,13 +365,14 @@ class ChunkedFile:
         filling ``dest`` with the logical bytes ``[offset, offset + len(dest))``."""
         tasks: list[ChunkRead] = []
         base, end = offset, offset + len(dest)
+        rows = self._rows
         i = bisect.bisect_right(self._starts, offset) - 1
         while offset < end:
-            if i < 0 or i >= len(self.chunks) or self.chunks[i][0] + self.chunks[i][1] <= offset:
+            if i < 0 or i >= len(rows) or rows[i][0] + rows[i][1] <= offset:
                 raise CheckpointCorruptError(
                     f"{self.path}: bytes {offset}..{end} are not in the file's chunk table"
                 )
-            chunk = self.chunks[i]
+            chunk = rows[i]
             hi = min(end, chunk[0] + chunk[1])
             tasks.append(ChunkRead(self, chunk, offset, dest[offset - base : hi - base]))
             offset = hi

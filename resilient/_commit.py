@@ -41,6 +41,7 @@ from ._box_runs import box_rows, canonical_rank, find_runs, in_fewest_runs
 from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import FORMAT, VERSION
+from ._gc_pause import gc_paused
 from ._names import data_file_name
 from ._report_memo import KEPT_PIECES, HeldPieces, SentPieces
 
@@ -198,6 +199,7 @@ def _collect(coord: Coordinator, step: int, keys: list[str], what: str, timeout:
         }) from exc
 
 
+@gc_paused()
 def encode_report(report: dict[str, Any], sent: SentPieces | None = None) -> bytes:
     """A rank's report as it travels to rank 0: a small JSON header line, then the pieces of
     the manifest this rank contributes, already encoded, each deflated on its own (the header
@@ -288,6 +290,7 @@ class _Report:
         return rows, -1 if rank is None else rank
 
 
+@gc_paused()
 def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces | None = None) -> bytes:
     """Every rank's encoded report joined into the encoded manifest; ``CommitError`` naming
     the ranks that failed, or the first whose state differs from rank 0's. ``held``: what

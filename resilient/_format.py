@@ -45,6 +45,7 @@ import numpy as np
 from ._box_runs import SavedBoxes, canonical_rank, check_run
 from ._chunk_table import CODECS, FOOTER_ROW_BYTES, MAX_CHUNK_BYTES, unpack_tables
 from ._errors import CheckpointCorruptError
+from ._gc_pause import gc_paused
 from ._names import data_file_name, parse_data_file, parse_step_dir, step_dir_name
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ MAX_TREE_DEPTH = 512
 _NODE_KINDS = ("dict", "list", "tuple", "tensor", "v", "obj", "per_rank")
 
 
+@gc_paused()
 def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     """Parse and validate a manifest; ``where`` names it in errors.
 

@@ -49,6 +49,7 @@ from ._chunkio import ChunkedFile, ChunkRun, batched
 from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
+from ._gc_pause import gc_paused
 from ._layout import Box, contiguous_range, intersect
 from ._snapshot import bitwise, dtensor_box, is_dtensor
 from ._per_rank import PerRank, Reshard
@@ -132,6 +133,11 @@ def _fill(
 ) -> tuple[list[Task], list[Task]]:
     """(read tasks, then copy tasks) that fill ``dest`` (a CPU contiguous tensor) = box
     ``target`` of saved tensor ``name``."""
+    boxes = meta["boxes"]
+    if len(boxes) == 1:  # saved whole by one writer, restored whole: most tensors of a DDP job
+        only = boxes[0]
+        if tuple(only["offsets"]) == target.offsets and tuple(only["sizes"]) == target.sizes:
+            return reader.box_bytes(only["pieces"], 0, _as_bytes(dest)), []
     reads: list[Task] = []
     copies: list[Task] = []
     elem = dest.element_size()
@@ -469,7 +475,8 @@ def load_checkpoint(
     plan: tuple[Any, ...] | None = None
     error: BaseException | None = None
     try:
-        plan = _check_and_place(state, manifest, rank, world_size, strict)
+        with gc_paused():  # tens of thousands of small objects: see _gc_pause
+            plan = _check_and_place(state, manifest, rank, world_size, strict)
     except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
         error = exc
     if not together:
@@ -569,16 +576,17 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
             reader = _Reader(step_dir, manifest)
             reads: list[Task] = saved_rng.tasks(reader)
             moved: dict[str, tuple[list[Task], list[Task]]] = {}
-            for name, dest in destinations.items():
-                if name not in shared:
-                    r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
-                    reads += r
-                    if dest.moves_at_finish:
-                        moved[name] = (r, c)
-                    else:
-                        copies += c
-            finisher = _FinishWhenRead(moved, destinations)
-            others = [pool.submit(finisher.wrap(task)) for task in batched(reads)]
+            with gc_paused():  # a task or more for each tensor: see _gc_pause
+                for name, dest in destinations.items():
+                    if name not in shared:
+                        r, c = _fill(reader, name, tensors_meta[name], dest.buffer, dest.box)
+                        reads += r
+                        if dest.moves_at_finish:
+                            moved[name] = (r, c)
+                        else:
+                            copies += c
+                finisher = _FinishWhenRead(moved, destinations)
+                others = [pool.submit(finisher.wrap(task)) for task in batched(reads)]
         except BaseException as exc:  # noqa: BLE001 - raised below, once every rank has spoken
             error = exc
         if sharing is not None and sharing.group is not None:
@@ -602,8 +610,9 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
                 dest.finish()
 
     # -- apply --------------------------------------------------------------------------------
-    for entry in entries:
-        entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict)
+    with gc_paused():
+        for entry in entries:
+            entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict)
     return saved_rng.state(step_dir)
 
 

@@ -1,0 +1,46 @@
+"""Python's cyclic garbage collector held off while a checkpoint builds many small objects.
+
+Why: reading a manifest, planning a restore or assembling a commit creates tens of
+thousands of dicts and lists at once, and each few hundred allocations start a collection
+that walks the whole heap: a training process's heap is large (the model's modules, the
+optimizer's state, the data loader's), so at 26,800 tensors collections were 65% of
+decoding the manifest (0.82 s against 0.30 s without them) and a quarter of a restore
+(2.0 s against 1.45 s). Nothing made in these phases is cyclic garbage; whatever the
+process made meanwhile is collected when the pause ends.
+
+Pauses nest and may overlap across threads: the collector is turned off by the first to
+enter and back on by the last to leave, and only if it was on when the first entered (a
+program that turned it off itself keeps it off). Held only around work of bounded length
+(never around a data file's write), so that a training thread's own garbage waits at most
+that long.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+__all__ = ["gc_paused"]
+
+_lock = threading.Lock()
+_holders = 0
+_was_enabled = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    global _holders, _was_enabled
+    with _lock:
+        if _holders == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if _holders == 0 and _was_enabled:
+                gc.enable()
