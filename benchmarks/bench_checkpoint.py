@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (GB, PeakRSS, drop_cache, mean_or_nan, mean_step_seconds, memcpy_seconds,
-                               probe_block, read_range_seconds, settle_memory, step_samples,
+                               probe_block, read_range_seconds, rendered, settle_memory, step_samples,
                                write_file)
 
 N_PARAMS = 26
@@ -458,10 +458,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-out/checkpoint.json", help="JSON results (default: %(default)s)")
     p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
     a = p.parse_args()
-    if a.render:
-        with open(a.render) as f:
-            rows = json.load(f)
-        print(table(rows))
+    if rendered(a.render, table):
         return
     base = a.dir or tempfile.mkdtemp(prefix="resilient-bench-")
     os.makedirs(base, exist_ok=True)

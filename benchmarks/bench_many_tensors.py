@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import Method, _rotated, local_nbytes, zero_state
-from benchmarks.common import memcpy_seconds
+from benchmarks.common import memcpy_seconds, rendered
 
 METHODS = ["resilient", "torch.save", "dcp.save", "dcp.async_save+DefaultStager"]
 
@@ -129,9 +129,7 @@ def main() -> None:
     p.add_argument("--out", help="JSON of the samples")
     p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
     a = p.parse_args()
-    if a.render:
-        with open(a.render) as f:
-            print(table(json.load(f)))
+    if rendered(a.render, table):
         return
     root = tempfile.mkdtemp(prefix="resilient-many-")
     try:

@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _rotated, _timed_together, build_state, zero_state
-from benchmarks.common import GB, drop_cache, read_range_seconds
+from benchmarks.common import GB, drop_cache, read_range_seconds, rendered
 from resilient._restore import SHARED_PIECE_BYTES
 
 READ = "cold read"
@@ -139,9 +139,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the cells here")
     p.add_argument("--render", default=None, help="print the table of an earlier --json file and exit")
     a = p.parse_args()
-    if a.render:
-        with open(a.render) as f:
-            print(render(json.load(f)))
+    if rendered(a.render, render):
         return
     lags = a.lags.split(",")
     cells = []

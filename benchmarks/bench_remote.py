@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _barrier, _on_rank0, _rotated, _timed_together, build_state, zero_state
-from benchmarks.common import GB, mean_step_seconds
+from benchmarks.common import GB, mean_step_seconds, rendered
 from resilient.devservices import free_port
 
 PLAIN, PLAIN_RANGES, RESILIENT, DCP = "plain get", "plain ranged gets", "resilient", "dcp.load (FsspecReader)"
@@ -157,9 +157,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the rows here as well")
     p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
     a = p.parse_args()
-    if a.render:
-        with open(a.render) as f:
-            print(table(json.load(f)))
+    if rendered(a.render, table):
         return
     from moto.server import ThreadedMotoServer
 

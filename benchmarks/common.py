@@ -6,11 +6,12 @@ machines are noisy: ratios against the limits are what carry over between runs.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import psutil
 import torch
@@ -241,3 +242,13 @@ def mean_step_seconds(until: Callable[[], bool], limit: int, n: int = 1024) -> f
 def mean_or_nan(values: Iterable[float]) -> float:
     got = list(values)
     return sum(got) / len(got) if got else float("nan")  # nan: it ended before one step
+
+
+def rendered(path: str | None, table: Callable[[Any], str]) -> bool:
+    """``--render JSON``: print the table of an earlier run's JSON (True), or do nothing
+    (False) when no path was given."""
+    if not path:
+        return False
+    with open(path) as f:
+        print(table(json.load(f)))
+    return True
