@@ -151,13 +151,24 @@ class RankPlan:
 
 
 def layout_key(tensors: dict[str, torch.Tensor]) -> tuple:
-    """Everything the plan depends on: names, dtypes, shapes, and DTensor placements."""
+    """Everything the plan depends on: names, dtypes, shapes, and DTensor placements.
+    Computed at every save, in the stall: a mesh's shape is asked once per mesh, not once
+    per tensor (~2.5 µs each through torch's mesh layout; the meshes stay alive, held by
+    the tensors, so their ids name them for the length of the call)."""
+    mesh_shapes: dict[int, tuple[int, ...]] = {}
+
+    def mesh_shape(mesh: Any) -> tuple[int, ...]:
+        shape = mesh_shapes.get(id(mesh))
+        if shape is None:
+            shape = mesh_shapes[id(mesh)] = tuple(mesh.shape)
+        return shape
+
     return tuple(
         (
             name,
             t.dtype,
             tuple(t.shape),
-            (tuple(t.placements), tuple(t.device_mesh.shape)) if is_dtensor(t) else None,
+            (tuple(t.placements), mesh_shape(t.device_mesh)) if is_dtensor(t) else None,
         )
         for name, t in tensors.items()
     )
