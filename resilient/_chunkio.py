@@ -338,8 +338,7 @@ class ChunkedFile:
         self.path = path
         self._fd: int | None = None
         self._lock = threading.Lock()
-        self.chunks = chunks_of(record, self._read_range, path)
-        self._rows = list(self.chunks)  # plain lists: indexed a few times per tensor read
+        self._rows = list(chunks_of(record, self._read_range, path))  # plain lists: indexed per tensor read
         self._starts = [c[0] for c in self._rows]
 
     def _read_range(self, start: int, end: int) -> bytes:
