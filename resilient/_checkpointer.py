@@ -427,25 +427,29 @@ class Checkpointer:
             previous._done.wait()  # the staging buffer is still being written from
             if self.strict and previous._error is not None:
                 raise previous._error
-        plan = self._layout_plan(flat)
-        deferred = self._deferred(state, flat.tensors)
-        buffer = self._staging.buffer_for(plan, flat.tensors)
-        handle.nbytes = buffer.numel()
-        handle.deferred_bytes = sum(blob.length for blob in plan.blobs if blob.name in deferred)
-        snapshot = SnapshotDone()
-        self._seq += 1
-        with self._lock:
-            self._inflight = handle
-            self._handles.append(handle)
-        # handed to the writer before the copy, which it waits for: a copy that fails then
-        # becomes this rank's report (an error), and the save fails on every rank at once
-        self._writer.submit(SaveJob(seq=self._seq, step=step, buffer=buffer, plan=plan, tree=flat.tree,
-                                    rng=capture_rng() if self.rng else None, handle=handle, snapshot=snapshot))
-        try:
-            fence = self._staging.stage(plan, flat.tensors, deferred, on_wait=self._count_staging_wait)
-        except BaseException as exc:
-            snapshot.complete(error=exc)
-            raise
+        # the stall's bookkeeping and copy, a key, a blob and a copy for each tensor: with the
+        # collector on, its collections walked the training's heap (the layout key of 26,800
+        # tensors: 0.17-0.20 s instead of 0.02-0.03 s)
+        with gc_paused():
+            plan = self._layout_plan(flat)
+            deferred = self._deferred(state, flat.tensors)
+            buffer = self._staging.buffer_for(plan, flat.tensors)
+            handle.nbytes = buffer.numel()
+            handle.deferred_bytes = sum(blob.length for blob in plan.blobs if blob.name in deferred)
+            snapshot = SnapshotDone()
+            self._seq += 1
+            with self._lock:
+                self._inflight = handle
+                self._handles.append(handle)
+            # handed to the writer before the copy, which it waits for: a copy that fails then
+            # becomes this rank's report (an error), and the save fails on every rank at once
+            self._writer.submit(SaveJob(seq=self._seq, step=step, buffer=buffer, plan=plan, tree=flat.tree,
+                                        rng=capture_rng() if self.rng else None, handle=handle, snapshot=snapshot))
+            try:
+                fence = self._staging.stage(plan, flat.tensors, deferred, on_wait=self._count_staging_wait)
+            except BaseException as exc:
+                snapshot.complete(error=exc)
+                raise
         snapshot.complete(fence)
         self.stats["bytes_staged"] += handle.nbytes
         handle.staged_at = time.perf_counter()

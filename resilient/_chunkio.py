@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - a platform without isal's wheels
 
 from ._chunk_table import chunks_of, with_footer
 from ._errors import CheckpointCorruptError
+from ._gc_pause import gc_paused
 
 __all__ = [
     "CODECS", "write_chunked", "ChunkedFile", "ChunkRead", "ChunkRun", "batched", "decode_chunk",
@@ -321,14 +322,16 @@ def _write_raw_direct(writer: _DirectWriter, fd: int, blobs: Sequence[memoryview
         await_bytes(batch[-1][1])
         return [crc32(piece) for piece, _ in batch]
 
-    batches = list(_batches(blobs, chunk_bytes))
-    crcs = [pool.submit(checksums, batch) for batch in batches]
+    with gc_paused():  # a piece and a row a chunk, around the writes, not over them: see _gc_pause
+        batches = list(_batches(blobs, chunk_bytes))
+        crcs = [pool.submit(checksums, batch) for batch in batches]
     total = len(writer.source)
     for end in range(DIRECT_WRITE_BYTES, total + DIRECT_WRITE_BYTES, DIRECT_WRITE_BYTES):
         await_bytes(min(end, total))
         writer.advance(min(end, total), fd, final=end >= total)
-    return [[end - len(piece), len(piece), end - len(piece), len(piece), crc, RAW]
-            for batch, batch_crcs in zip(batches, crcs) for (piece, end), crc in zip(batch, batch_crcs.result())]
+    with gc_paused():
+        return [[end - len(piece), len(piece), end - len(piece), len(piece), crc, RAW]
+                for batch, batch_crcs in zip(batches, crcs) for (piece, end), crc in zip(batch, batch_crcs.result())]
 
 
 class ChunkedFile:

@@ -33,6 +33,7 @@ from ._commit import commit_together
 from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import data_file_name
+from ._gc_pause import gc_paused
 from ._local import LocalTier
 from ._report_memo import HeldPieces, SentPieces
 from ._rng import encode_rng
@@ -182,7 +183,8 @@ class BackgroundWriter:
         if name is not None:
             trailer = b"" if job.rng is None else encode_rng(job.rng)
             base = memoryview(job.buffer.numpy())
-            views = [base[start:end] for start, end in job.plan.extents()]
+            with gc_paused():  # a view a blob: see _gc_pause
+                views = [base[start:end] for start, end in job.plan.extents()]
             path = os.path.join(pending, name)
             self.tier.reuse(path)  # a deleted step's file of this rank, overwritten in place if there is one
             record = write_chunked(

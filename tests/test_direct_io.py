@@ -9,6 +9,8 @@ import errno
 import json
 import mmap
 import os
+import struct
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 
 from resilient import Checkpointer
 from resilient import _chunkio
+from resilient._chunk_table import with_footer
 from resilient._chunkio import DIRECT_ALIGN, ChunkedFile, write_chunked
 from resilient._errors import CheckpointCorruptError
 from resilient._hostmem import page_aligned_empty
@@ -161,6 +164,28 @@ def test_many_small_blobs_keep_a_chunk_each_and_go_to_the_pool_in_batches(tmp_pa
     assert read_back(path, record, sum(sizes)) == buffer.numpy().tobytes()  # every chunk's CRC checks
     if path_taken == "zstd":
         assert sum(c[5] == 1 for c in record["chunks"]) > 2000, "each chunk compressed on its own"
+
+
+def test_the_chunk_table_in_a_files_footer_is_each_chunks_row_as_the_format_lays_it_out():
+    """Format 4's footer (packed a column at a time, not row by row): per chunk its length,
+    stored length and CRC as little-endian uint32, then the codec byte, in chunk order, up to
+    the largest values a row holds; a row that does not fit is refused, not wrapped."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, 1 << 20, (5000,), generator=g).tolist() + [1 << 30]
+    crcs = torch.randint(0, 1 << 32, (len(lengths),), generator=g, dtype=torch.int64).tolist()
+    crcs[-1] = 0xFFFFFFFF
+    chunks, logical, stored = [], 0, 0
+    for i, (length, crc) in enumerate(zip(lengths, crcs)):
+        kept = length if i % 3 else max(1, length // 2)  # every third compressed
+        chunks.append([logical, length, stored, kept, crc, 0 if i % 3 else 1])
+        logical, stored = logical + length, stored + kept
+    table, record = with_footer(chunks, stored)
+    assert table == b"".join(struct.pack("<IIIB", c[1], c[3], c[4], c[5]) for c in chunks)
+    assert record["footer"] == [len(chunks), zlib.crc32(table)]
+    assert record["bytes"] == stored + len(table) and record["logical"] == logical
+    assert with_footer([], 0)[0] == b""
+    with pytest.raises(ValueError, match="under 2\\*\\*32"):
+        with_footer([[0, 1 << 32, 0, 1 << 32, 0, 0]], 1 << 32)
 
 
 def test_blobs_that_are_not_the_buffer_are_refused(tmp_path):
