@@ -51,7 +51,7 @@ from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
 from ._gc_pause import gc_paused
 from ._layout import Box, contiguous_range, intersect
-from ._snapshot import bitwise, dtensor_box, is_dtensor
+from ._snapshot import bitwise, dtensor_box, is_dtensor, storage_shortfall
 from ._per_rank import PerRank, Reshard
 from ._rng import decode_rng
 from ._tree import build_value, flatten_target, is_stateful, per_rank_path, tensor_names, without_plain_bytes
@@ -187,6 +187,10 @@ def _check_tensor(name: str, meta: dict[str, Any] | None, target: torch.Tensor, 
     if unplain is not None:
         why, remedy = unplain
         raise StateError(f"key {name!r}: the state's tensor cannot be restored into: {why}; {remedy}")
+    short = storage_shortfall(target)
+    if short is not None:  # read into, it stayed as it was, and the restore said it was done
+        raise StateError(f"key {name!r}: the state's tensor cannot be restored into: {short}; restore into "
+                         "the sharded state, or once its storage is allocated again")
     if list(target.shape) != meta["shape"]:
         raise StateError(
             f"key {name!r}: shape mismatch: the state expects {list(target.shape)}, "

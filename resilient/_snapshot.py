@@ -27,7 +27,7 @@ from ._hostmem import HostBuffer
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
 __all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view",
-           "bitwise"]
+           "bitwise", "storage_shortfall"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -353,20 +353,27 @@ def copy_ranges(length: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in ((0, bulk), (bulk, length)) if hi > lo]
 
 
-def _storage_short(name: str, t: torch.Tensor) -> UnsupportedStateError | None:
-    """The error naming a tensor whose storage holds less than its shape needs (None when
-    it does not): what FSDP leaves of an unsharded parameter, freed with
-    ``untyped_storage().resize_(0)`` after forward."""
+def storage_shortfall(t: torch.Tensor) -> str | None:
+    """Why ``t``'s memory cannot be read or written (None when it can): its storage holds
+    fewer bytes than its shape needs, what FSDP leaves of an unsharded parameter, freed with
+    ``untyped_storage().resize_(0)`` after forward. Its data pointer is then null, and a copy
+    through it crashes the process or, read into, leaves it as it was."""
     local = (t.to_local() if is_dtensor(t) else t).detach()
     have = local.untyped_storage().nbytes()
     need = (local.storage_offset() + sum((n - 1) * s for n, s in zip(local.shape, local.stride())) + 1) \
         * local.element_size() if local.numel() else 0
     if have >= need:
         return None
-    return UnsupportedStateError(
-        f"state[{name!r}]: its storage holds {have} bytes, fewer than the {need} its shape "
-        f"{list(local.shape)} needs (freed with untyped_storage().resize_(0), as FSDP does to "
-        "unsharded parameters?); save it while its storage is whole, or save the sharded state")
+    return (f"its storage holds {have} bytes, fewer than the {need} its shape {list(local.shape)} needs "
+            "(freed with untyped_storage().resize_(0), as FSDP does to unsharded parameters?)")
+
+
+def _storage_short(name: str, t: torch.Tensor) -> UnsupportedStateError | None:
+    """The error naming a tensor whose storage holds less than its shape needs."""
+    why = storage_shortfall(t)
+    if why is None:
+        return None
+    return UnsupportedStateError(f"state[{name!r}]: {why}; save it while its storage is whole, or save the sharded state")
 
 
 class Staging:

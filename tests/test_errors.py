@@ -180,3 +180,21 @@ def test_restoring_into_a_quantized_tensor_is_refused_naming_the_key(saved):
     with Checkpointer(saved) as ckpt:
         with pytest.raises(StateError, match=r"key 'extra': .*quantized tensor"):
             ckpt.restore({"extra": target})
+
+
+def test_restoring_into_a_tensor_whose_storage_was_freed_is_refused_naming_the_key(saved):
+    """Before, the reads into its null pointer left it empty and restore reported step 5
+    restored. Once its storage is allocated again, the same restore fills it."""
+    model = torch.nn.Linear(4, 3)
+    storage = model.weight.untyped_storage()
+    storage.resize_(0)  # as FSDP frees an unsharded parameter after forward
+    with Checkpointer(saved) as ckpt:
+        with pytest.raises(StateError, match=r"key 'model/weight': .*its storage holds 0 bytes, fewer than the "
+                                             r"48 its shape \[3, 4\] needs .*resize_\(0\)"):
+            ckpt.restore({"model": model})
+        storage.resize_(48)
+        assert ckpt.restore({"model": model}) == 5
+    expected = torch.nn.Linear(4, 3)
+    with Checkpointer(saved) as ckpt:
+        ckpt.restore({"model": expected})
+    assert torch.equal(model.weight, expected.weight)
