@@ -34,6 +34,7 @@ collective that will not come, and every rank falls back together.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -120,7 +121,13 @@ class _Reader:
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    """The bytes of a contiguous CPU tensor with whole storage (what ``_check_tensor`` lets
+    through, or a new one), writable; the view holds ``t``. Why not ``memoryview(t.reshape(-1)
+    .view(torch.uint8).numpy())``: three torch calls a tensor, ~4 µs against ~1.5 µs, 0.07 s
+    of a restore of 26,800 small tensors."""
+    memory = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    memory.tensor = t  # alive as long as the view is
+    return memoryview(memory).cast("B")
 
 
 def _as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
