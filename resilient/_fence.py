@@ -40,9 +40,9 @@ class StagingTornError(RuntimeError):
 
 
 def _storage_of(t: torch.Tensor) -> int:
-    from ._snapshot import is_dtensor  # _snapshot stages through this module
+    from ._snapshot import local_tensor  # _snapshot stages through this module
 
-    local = t.to_local() if is_dtensor(t) else t
+    local = local_tensor(t)
     return local.untyped_storage().data_ptr()
 
 

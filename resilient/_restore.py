@@ -52,7 +52,7 @@ from ._errors import CheckpointCorruptError, StateError
 from ._format import dtype_from_name, dtype_name
 from ._gc_pause import gc_paused
 from ._layout import Box, contiguous_range, intersect
-from ._snapshot import bitwise, dtensor_box, is_dtensor, storage_shortfall
+from ._snapshot import bitwise, dtensor_box, is_dtensor, local_tensor, storage_shortfall
 from ._per_rank import PerRank, Reshard
 from ._rng import decode_rng
 from ._tree import build_value, flatten_target, is_stateful, per_rank_path, tensor_names, without_plain_bytes
@@ -260,7 +260,7 @@ class _Destination:
     def into(cls, live: torch.Tensor, name: str) -> "_Destination":
         if is_dtensor(live):
             box = dtensor_box(live, name)
-            local = live.to_local()
+            local = local_tensor(live)
         else:
             box, local = Box((0,) * live.dim(), tuple(live.shape)), live
         direct = local.device.type == "cpu" and local.is_contiguous()
@@ -283,7 +283,7 @@ class _Destination:
         box = dtensor_box(template, name)
         buffer = torch.empty(box.sizes, dtype=dtype_from_name(meta["dtype"]))
         dest = cls(None, buffer, buffer, box)
-        device = template.to_local().device
+        device = local_tensor(template).device
         dest.value = DTensor.from_local(
             buffer.to(device), template.device_mesh, template.placements,
             shape=template.shape, stride=template.stride(), run_check=False,
@@ -297,13 +297,13 @@ class _Destination:
         if self.local.data_ptr() != self.buffer.data_ptr():
             return True
         return (self.live is None and is_dtensor(self.value)
-                and self.value.to_local().data_ptr() != self.buffer.data_ptr())
+                and local_tensor(self.value).data_ptr() != self.buffer.data_ptr())
 
     def finish(self) -> None:
         if self.local.data_ptr() != self.buffer.data_ptr():
             bitwise(self.local).copy_(bitwise(self.buffer))
         if self.live is None and is_dtensor(self.value):
-            local = self.value.to_local()
+            local = local_tensor(self.value)
             if local.data_ptr() != self.buffer.data_ptr():
                 bitwise(local).copy_(bitwise(self.buffer))
 

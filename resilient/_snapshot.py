@@ -27,7 +27,7 @@ from ._hostmem import HostBuffer
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
 __all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view",
-           "bitwise", "storage_shortfall"]
+           "bitwise", "local_tensor", "storage_shortfall"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -38,6 +38,20 @@ def is_dtensor(t: torch.Tensor) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None)
     return dtensor is not None and isinstance(t, dtensor)
+
+
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (this rank's part, the same memory), else ``t``. Why not
+    ``to_local()``: outside ``no_grad`` it is an autograd Function (~20 µs), and a DTensor's
+    own attributes each cost a trip through its dispatch; restoring 26,800 DTensors spent
+    a third of its time there. Reading or writing the memory under ``no_grad`` is the same."""
+    if type(t) in PLAIN_TYPES or not is_dtensor(t):
+        return t
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -54,7 +68,7 @@ def bitwise(t: torch.Tensor) -> torch.Tensor:
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's (local) elements as a flat uint8 tensor, without a copy when possible."""
-    local = (t.to_local() if is_dtensor(t) else t).detach()
+    local = local_tensor(t).detach()
     if not local.is_contiguous():
         local = bitwise(local).contiguous()
     return local.reshape(-1).view(torch.uint8)
@@ -87,7 +101,7 @@ def dtensor_box(t: torch.Tensor, name: str) -> Box:
             "do not give each rank one box of the tensor"
         )
     box = shard_box(tuple(t.shape), tuple(mesh.shape), coord, shard_dims, order)
-    local_shape = tuple(t.to_local().shape)
+    local_shape = tuple(local_tensor(t).shape)
     if local_shape != box.sizes:
         raise UnsupportedStateError(
             f"state[{name!r}]: local shard has shape {list(local_shape)} but placements "
@@ -200,7 +214,7 @@ def find_aliases(tensors: dict[str, torch.Tensor], skip: set[str]) -> dict[str, 
     for name, t in tensors.items():
         if name in skip:
             continue
-        local = t.to_local() if is_dtensor(t) else t
+        local = local_tensor(t)
         if local.numel() == 0:
             continue
         placement = (tuple(t.placements), id(t.device_mesh)) if is_dtensor(t) else None
@@ -332,7 +346,7 @@ def _small_source(t: torch.Tensor, blob: "Blob") -> int | None:
     """The address of ``blob``'s bytes in ``t``'s memory, when one ``memmove`` can copy
     them: ``t`` (its local part) on the CPU, contiguous, its storage holding all of it (a
     storage freed by ``resize_(0)`` goes to torch's path, which names it); else None."""
-    local = t.to_local() if is_dtensor(t) else t  # called under no_grad: no autograd node
+    local = local_tensor(t)
     if local.device.type != "cpu" or not local.is_contiguous():
         return None
     size = local.element_size()
@@ -358,7 +372,7 @@ def storage_shortfall(t: torch.Tensor) -> str | None:
     fewer bytes than its shape needs, what FSDP leaves of an unsharded parameter, freed with
     ``untyped_storage().resize_(0)`` after forward. Its data pointer is then null, and a copy
     through it crashes the process or, read into, leaves it as it was."""
-    local = t.to_local() if is_dtensor(t) else t
+    local = local_tensor(t)
     have, size, numel = local.untyped_storage().nbytes(), local.element_size(), local.numel()
     if local.is_contiguous() and have >= (local.storage_offset() + numel) * size:
         return None  # the common case, in ~1 µs: restore asks it of every target tensor
@@ -426,7 +440,7 @@ class Staging:
     @staticmethod
     def on_device(tensors: dict[str, torch.Tensor]) -> bool:
         return torch.cuda.is_available() and any(
-            (t.to_local() if is_dtensor(t) else t).is_cuda for t in tensors.values()
+            local_tensor(t).is_cuda for t in tensors.values()
         )
 
     def buffer_for(self, plan: RankPlan, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -512,7 +526,7 @@ class Staging:
         self._stream.wait_stream(training)
         with torch.cuda.stream(self._stream):
             for name in {blob.name for blob in now + later}:
-                local = tensors[name].to_local() if is_dtensor(tensors[name]) else tensors[name]
+                local = local_tensor(tensors[name])
                 if local.is_cuda:
                     local.record_stream(self._stream)  # its memory is not reused before the copy ran
             assert fence is not None

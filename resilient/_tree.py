@@ -17,7 +17,7 @@ import torch
 from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE
 from ._per_rank import PerRank
-from ._snapshot import is_dtensor
+from ._snapshot import PLAIN_TYPES, local_tensor
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path",
            "tensor_names", "without_plain_bytes"]
@@ -27,7 +27,6 @@ _SCALARS = (type(None), bool, int, float, str)
 _SAVABLE_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name))
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _META_REMEDY = "materialize it first (module.to_empty(device=...), then initialize or restore it)"
 
 
@@ -37,13 +36,9 @@ def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
     each of these fails later and far from the user's key otherwise: a quantized tensor's
     copy crashed the process, a meta tensor was "restored" by a copy that does nothing, and
     a wrapper subclass raised torch's "invalid python storage" naming nothing."""
-    if type(t) not in _PLAIN_TYPES and is_dtensor(t):
-        # a DTensor's own attributes each cost a trip through its dispatch, and to_local()
-        # outside no_grad is an autograd Function (~20 µs): its local tensor is read directly
-        local = getattr(t, "_local_tensor", None)
-        t = local if isinstance(local, torch.Tensor) else t.to_local()
+    t = local_tensor(t)  # a DTensor: its local tensor, read directly
     if (t.layout is torch.strided and not (t.is_nested or t.is_quantized or t.is_meta)
-            and type(t) in _PLAIN_TYPES):
+            and type(t) in PLAIN_TYPES):
         return None  # the common case in one test: this runs for every tensor of every save
     if t.is_nested:
         return "it is a nested tensor", "save its components (tensor.unbind()) instead"
