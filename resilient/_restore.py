@@ -263,7 +263,7 @@ class _Destination:
             local = local_tensor(live)
         else:
             box, local = Box((0,) * live.dim(), tuple(live.shape)), live
-        direct = local.device.type == "cpu" and local.is_contiguous()
+        direct = local.is_cpu and local.is_contiguous()
         if direct:  # detached only when it must be: ~5 µs a tensor, at every restore
             buffer = local.detach() if local.requires_grad else local
         else:

@@ -347,11 +347,11 @@ def _small_source(t: torch.Tensor, blob: "Blob") -> int | None:
     them: ``t`` (its local part) on the CPU, contiguous, its storage holding all of it (a
     storage freed by ``resize_(0)`` goes to torch's path, which names it); else None."""
     local = local_tensor(t)
-    if local.device.type != "cpu" or not local.is_contiguous():
+    if not local.is_cpu or not local.is_contiguous():  # is_cpu: 0.2 µs, device.type 0.9 µs
         return None
-    size = local.element_size()
-    if (blob.start + blob.length > local.numel() * size
-            or local.untyped_storage().nbytes() < (local.storage_offset() + local.numel()) * size):
+    nbytes = local.nbytes
+    if (blob.start + blob.length > nbytes
+            or local.untyped_storage().nbytes() < local.storage_offset() * local.element_size() + nbytes):
         return None
     return local.data_ptr() + blob.start
 
@@ -373,11 +373,11 @@ def storage_shortfall(t: torch.Tensor) -> str | None:
     ``untyped_storage().resize_(0)`` after forward. Its data pointer is then null, and a copy
     through it crashes the process or, read into, leaves it as it was."""
     local = local_tensor(t)
-    have, size, numel = local.untyped_storage().nbytes(), local.element_size(), local.numel()
-    if local.is_contiguous() and have >= (local.storage_offset() + numel) * size:
+    have, size = local.untyped_storage().nbytes(), local.element_size()
+    if local.is_contiguous() and have >= local.storage_offset() * size + local.nbytes:
         return None  # the common case, in ~1 µs: restore asks it of every target tensor
     need = (local.storage_offset() + sum((n - 1) * s for n, s in zip(local.shape, local.stride())) + 1) \
-        * size if numel else 0
+        * size if local.numel() else 0
     if have >= need:
         return None
     return (f"its storage holds {have} bytes, fewer than the {need} its shape {list(local.shape)} needs "
