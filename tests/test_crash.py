@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from resilient import Checkpointer, CheckpointCorruptError
+from resilient._snapshot import byte_view
+from resilient._tree import flatten_state
 
 from .faults import flip_byte
 from .launch import run_ranks
@@ -85,9 +87,25 @@ def test_checkpoints_hold_no_pickle_and_load_without_it(root, monkeypatch):
     step_dir = os.path.join(root, "step-0000000001")
     assert sorted(os.listdir(step_dir)) == ["manifest.json", "rank-00000.data"]
     with open(os.path.join(step_dir, "manifest.json")) as f:
-        json.load(f)  # plain JSON
+        manifest = json.load(f)  # plain JSON
     with open(os.path.join(step_dir, "rank-00000.data"), "rb") as f:
-        assert not f.read(2).startswith(b"\x80")  # no pickle protocol header
+        data = f.read()
+    # every byte of the data file accounted for: the tensors' own bytes where the manifest
+    # says, zeros between them (alignment), the generator states as JSON, the chunk table
+    # (before, this checked only that the file did not start with pickle's 0x80, which a
+    # random first weight does one time in 256)
+    saved = flatten_state({"model": model, "opt": opt}).tensors
+    tensor_bytes = bytearray(len(data))
+    for name, meta in manifest["tensors"].items():
+        (box,) = meta["boxes"]
+        ((fname, offset, nbytes),) = box["pieces"]
+        assert fname == "rank-00000.data" and data[offset : offset + nbytes] == byte_view(saved[name]).numpy().tobytes()
+        tensor_bytes[offset : offset + nbytes] = data[offset : offset + nbytes]
+    (_, (rng_at, rng_len)), = manifest["ranks"]
+    assert bytes(tensor_bytes[:rng_at]) == data[:rng_at], "only tensors' bytes and zeros before the generator states"
+    json.loads(data[rng_at : rng_at + rng_len])
+    record = manifest["files"]["rank-00000.data"]
+    assert rng_at + rng_len == record["logical"] and len(data) == record["logical"] + 13 * record["footer"][0]
 
     def refuse(*args, **kwargs):
         raise AssertionError("restore tried to unpickle")
