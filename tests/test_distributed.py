@@ -184,3 +184,12 @@ def test_torchdata_stateful_dataloader_kept_per_rank(tmp_path):
     pytest.importorskip("torchdata")
     results = run_ranks("stateful_dataloader_per_rank", 2, {"root": str(tmp_path / "run")})
     assert all("loader resumed exactly" in r.output for r in results)
+
+
+def test_a_partial_dtensor_is_refused_at_every_save_naming_its_key_and_placement(tmp_path):
+    results = run_ranks("placements_refused", 2, {"root": str(tmp_path / "ckpt")}, env={"FORCE_DIST": "1"})
+    for result in results:
+        refused = json.loads(result.output.split("REFUSED ", 1)[1].splitlines()[0])
+        assert len(refused) == 2, result.output[-2000:]
+        for key, message in zip(("first", "second"), refused):
+            assert message.startswith(f"state[{key!r}]: placement P(sum) cannot") and "redistribute" in message, message

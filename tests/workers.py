@@ -446,6 +446,32 @@ def recycled_saves(a: dict) -> None:
     print("INODES " + json.dumps(inodes), flush=True)
 
 
+def placements_refused(a: dict) -> None:
+    """A DTensor placed Partial cannot be saved: refused at save, naming its key and its
+    placement, at each save (the layouts worked out are kept between saves: the second
+    refusal must name the second key); the state without it then saves."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from resilient import UnsupportedStateError
+
+    rank, world = init()
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = DTensor.from_local(torch.full((2, 3), float(rank)), mesh, [Shard(0)], run_check=False)
+    refused = []
+    with Checkpointer(a["root"]) as ckpt:
+        for key in ("first", "second"):
+            partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
+            try:
+                ckpt.save(1, {"w": sharded, key: partial})
+            except UnsupportedStateError as exc:
+                refused.append(str(exc))
+        ckpt.save(2, {"w": sharded})
+        ckpt.wait()
+        assert ckpt.latest() == 2
+    print("REFUSED " + json.dumps(refused), flush=True)
+
+
 def harness_probe(a: dict) -> None:
     """What ``tests.launch`` promises a rank: its own session, its own environment, the
     interpreter state of ``python -m tests.workers``; then hang, exit or raise as asked."""
@@ -467,7 +493,7 @@ SCENARIOS = {f.__name__: f for f in (harness_probe, train, kill_during_write, dt
                                      remote_differs_by_rank,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore, saves_on_own_nodes,
                                      stateful_dataloader_per_rank, replicated_save, replicated_restore,
-                                     recycled_saves, rng_per_rank_save, rng_per_rank_restore)}
+                                     recycled_saves, rng_per_rank_save, rng_per_rank_restore, placements_refused)}
 
 def finish_scenario() -> None:
     """End a scenario process: barrier, tear down the group, exit without interpreter teardown.
