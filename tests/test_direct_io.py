@@ -171,7 +171,7 @@ def test_the_chunk_table_in_a_files_footer_is_each_chunks_row_as_the_format_lays
     stored length and CRC as little-endian uint32, then the codec byte, in chunk order, up to
     the largest values a row holds; a row that does not fit is refused, not wrapped."""
     g = torch.Generator().manual_seed(3)
-    lengths = torch.randint(1, 1 << 20, (5000,), generator=g).tolist() + [1 << 30]
+    lengths = torch.randint(1, 1 << 20, (5000,), generator=g).tolist() + [1 << 30] * 5  # offsets past 4 GiB
     crcs = torch.randint(0, 1 << 32, (len(lengths),), generator=g, dtype=torch.int64).tolist()
     crcs[-1] = 0xFFFFFFFF
     chunks, logical, stored = [], 0, 0
