@@ -56,6 +56,7 @@ from ._snapshot import bitwise, dtensor_box, is_dtensor, local_tensor, storage_s
 from ._per_rank import PerRank, Reshard
 from ._rng import decode_rng
 from ._tree import build_value, flatten_target, is_stateful, per_rank_path, tensor_names, without_plain_bytes
+from ._wrappers import state_holder
 
 __all__ = ["load_checkpoint", "OtherRankFailed"]
 
@@ -315,7 +316,8 @@ class _Entry:
 
     def __init__(self, key: str, target: Any, sources: list[dict[str, Any]], reshard: Reshard | None) -> None:
         self.key, self.target, self.sources, self.reshard = key, target, sources, reshard
-        self.inner = target.value if isinstance(target, PerRank) else target
+        # of a module wrapper (torch.compile, DDP), the level whose keys were saved (``_wrappers``)
+        self.inner = state_holder(target.value if isinstance(target, PerRank) else target, _saved_keys(sources[0]))
 
     def apply(self, state: MutableMapping[str, Any], tensor: Callable[[str], torch.Tensor], rank: int,
               world_size: int, strict: bool) -> None:
@@ -330,6 +332,14 @@ class _Entry:
             self.target.value = value
         else:  # tensors loaded in place come back as the same objects
             state[self.key] = value
+
+
+def _saved_keys(node: dict[str, Any]) -> list[Any]:
+    """The keys of the state dict a saved entry holds (none unless it is an object's)."""
+    state_dict = node.get("sd") if node.get("t") == "obj" else None
+    if not isinstance(state_dict, dict) or state_dict.get("t") != "dict":
+        return []
+    return [item[0] for item in state_dict.get("items", ()) if isinstance(item, list) and item]
 
 
 def _plan_entry(key: str, target: Any, node: dict[str, Any], manifest: dict[str, Any], rank: int,

@@ -18,6 +18,7 @@ from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
+from ._wrappers import state_holder
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path",
            "tensor_names", "without_plain_bytes"]
@@ -93,11 +94,13 @@ class Flattened:
         self.per_rank: set[str] = set()  # names of tensors under PerRank entries
 
     def encode_entry(self, key: str, obj: Any, rank: int) -> dict[str, Any]:
-        """A top-level entry; a ``PerRank`` one names its tensors by rank."""
+        """A top-level entry; a ``PerRank`` one names its tensors by rank. A module wrapper's
+        entry holds its module's state (``_wrappers``)."""
         if not isinstance(obj, PerRank):
-            return self.encode(obj, _child("", key), expand_stateful=True)
+            return self.encode(state_holder(obj), _child("", key), expand_stateful=True)
         before = set(self.tensors)
-        node = {"t": "per_rank", "sd": self.encode(obj.value, per_rank_path(key, rank), expand_stateful=True)}
+        node = {"t": "per_rank", "sd": self.encode(state_holder(obj.value), per_rank_path(key, rank),
+                                                   expand_stateful=True)}
         self.per_rank |= set(self.tensors) - before
         return node
 

@@ -49,7 +49,9 @@ def train(a: dict) -> None:
     rank, world = init()
     model, optim, sched = build(a.get("dropout", 0.1))
     ddp = DDP(model) if world > 1 else model
-    state = {"model": model, "optim": optim, "sched": sched, "progress": {"seen": 0}}
+    # ``save_wrapped``: the state names the DDP wrapper, as many training scripts do
+    state = {"model": ddp if a.get("save_wrapped") else model, "optim": optim, "sched": sched,
+             "progress": {"seen": 0}}
     with Checkpointer(a["root"], every=a["every"], state=state, remote=a.get("remote"),
                       storage_options=a.get("storage_options")) as ckpt:
         start = ckpt.restore()

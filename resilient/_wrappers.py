@@ -1,0 +1,75 @@
+"""Module wrappers that only prefix their module's keys: checkpoints name the module's own.
+
+Why: ``torch.compile(model)`` and ``DistributedDataParallel(model)`` return wrappers whose
+``state_dict`` is the wrapped module's with ``_orig_mod.`` or ``module.`` before every key.
+Saved as they are, a checkpoint of a compiled or DDP-wrapped model restored only into a
+model wrapped the same way: an evaluation script with the plain model, or a run resumed
+without ``torch.compile`` (to debug it), was told the keys are not in the checkpoint. With
+``strict=False`` it was worse: nothing matched, nothing was loaded, and the restore
+returned the step. DCP's ``get_state_dict`` and Lightning drop these prefixes too.
+
+So a save takes the state of the innermost module, and a restore loads into the level of
+the wrapping whose keys the checkpoint holds: the innermost for checkpoints saved this way,
+or the wrapper itself for one that an earlier version saved from a wrapper (all its keys
+carry the prefix), which then restores as it did before.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["state_holder"]
+
+#: (the attribute holding the wrapped module, the prefix its keys get): torch.compile's
+#: wrapper, then DDP's and DataParallel's
+_BY_ATTRIBUTE = (("_orig_mod", "_orig_mod."), ("module", "module."))
+
+
+def _wrapper_types() -> dict[type, tuple[str, str]]:
+    """The wrappers known here. torch.compile's class is looked up only when its module is
+    loaded already: a model compiled in this process has loaded it, and importing it here
+    would cost every other process a second (sympy, through torch.fx)."""
+    types: dict[type, tuple[str, str]] = {
+        torch.nn.parallel.DistributedDataParallel: _BY_ATTRIBUTE[1],
+        torch.nn.DataParallel: _BY_ATTRIBUTE[1],
+    }
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = getattr(dynamo, "OptimizedModule", None)
+    if isinstance(compiled, type):
+        types[compiled] = _BY_ATTRIBUTE[0]
+    return types
+
+
+def _levels(obj: Any) -> tuple[list[Any], list[str]]:
+    """(the object and each module it wraps, outermost first; the prefix each level adds)."""
+    chain, prefixes = [obj], []
+    if not isinstance(obj, torch.nn.Module):
+        return chain, prefixes
+    types = _wrapper_types()
+    while True:
+        known = next((how for cls, how in types.items() if isinstance(chain[-1], cls)), None)
+        inner = getattr(chain[-1], known[0], None) if known is not None else None
+        if not isinstance(inner, torch.nn.Module) or len(chain) > 16:
+            return chain, prefixes
+        chain.append(inner)
+        prefixes.append(known[1])
+
+
+def state_holder(obj: Any, saved_keys: Iterable[Any] | None = None) -> Any:
+    """The object whose ``state_dict`` a checkpoint holds for entry ``obj``.
+
+    Saving (``saved_keys`` None): the innermost module of a wrapper, else ``obj``.
+    Restoring: the outermost level whose keys, prefixes included, all of ``saved_keys``
+    (the keys of the saved state dict) start with; the innermost when none does."""
+    chain, prefixes = _levels(obj)
+    if saved_keys is None or len(chain) == 1:
+        return chain[-1]
+    keys = list(saved_keys)
+    for level in range(len(chain) - 1):
+        prefix = "".join(prefixes[level:])
+        if keys and all(isinstance(k, str) and k.startswith(prefix) for k in keys):
+            return chain[level]
+    return chain[-1]

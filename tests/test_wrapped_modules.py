@@ -1,0 +1,115 @@
+"""Modules wrapped by torch.compile or DDP: checkpoints hold the module's own keys.
+
+A wrapper's ``state_dict`` prefixes every key (``_orig_mod.``, ``module.``); saved that way,
+a checkpoint restored only into the same wrapping, and ``strict=False`` loaded nothing at
+all while returning the step (``resilient/_wrappers.py``)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from resilient import Checkpointer
+from resilient._format import MANIFEST, step_dir_name
+
+from .launch import run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _trained(model):
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        optim.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        optim.step()
+    return optim
+
+
+def _saved_names(root, step):
+    with open(os.path.join(root, step_dir_name(step), MANIFEST)) as f:
+        return sorted(json.load(f)["tensors"])
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+def test_a_compiled_models_checkpoint_restores_into_the_plain_model_and_the_other_way(root):
+    model = _model(0)
+    optim = _trained(model)
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(1, {"model": torch.compile(model, backend="eager"), "optim": optim}).result()
+    assert _saved_names(root, 1)[:2] == ["model/0.bias", "model/0.weight"]  # no "_orig_mod." in them
+
+    plain = _model(1)
+    assert not _same(plain, model)
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore({"model": plain}, strict=False) == 1  # the evaluation script's case
+    assert _same(plain, model)
+
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(2, {"model": plain, "optim": optim}).result()
+    for strict in (True, False):  # with strict=False a compiled target once matched no key
+        fresh = _model(2)
+        fresh_optim = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+        with Checkpointer(root, rng=False) as ckpt:
+            assert ckpt.restore({"model": torch.compile(fresh, backend="eager"), "optim": fresh_optim},
+                                step=2, strict=strict) == 2
+        assert _same(fresh, model)
+        assert torch.equal(fresh_optim.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
+
+
+class _Holder(torch.nn.Module):
+    """A module whose keys carry a wrapper's prefix: what an earlier version saved from a
+    compiled (``_orig_mod``) or DDP-wrapped (``module``) model."""
+
+    def __init__(self, attribute, inner):
+        super().__init__()
+        self.add_module(attribute, inner)
+
+
+def test_a_checkpoint_saved_with_the_wrappers_prefix_restores_into_the_same_wrapping(root):
+    model = _model(0)
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(1, {"model": _Holder("_orig_mod", model)}).result()
+    assert _saved_names(root, 1)[0] == "model/_orig_mod.0.bias"
+    fresh = _model(1)
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore({"model": torch.compile(fresh, backend="eager")}) == 1
+    assert _same(fresh, model)
+    # and a module whose own child is named like a wrapper's attribute is still itself
+    holder = _Holder("_orig_mod", _model(3))
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore({"model": holder}) == 1
+    assert _same(holder, _Holder("_orig_mod", model))
+
+
+def test_a_ddp_wrapped_state_resumes_bitwise_and_restores_into_the_plain_model(tmp_path):
+    """Two gloo ranks save the DDP wrapper itself; killed and resumed the same way they
+    end bit for bit where an uninterrupted run does, and the plain model (one process, as
+    an evaluation script) restores the checkpoint's model."""
+    root = str(tmp_path / "run")
+    args = {"root": root, "every": 10, "total": 30, "dropout": 0.0, "save_wrapped": True}
+    run_ranks("train", 2, {**args, "root": str(tmp_path / "whole"), "out": str(tmp_path / "whole.pt")})
+    run_ranks("train", 2, {**args, "kill_at": 25}, expect_ok=False)
+    assert not [n for n in _saved_names(root, 20) if "module." in n]
+    run_ranks("train", 2, {**args, "out": str(tmp_path / "resumed.pt")})
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    for k, v in whole.items():
+        assert torch.equal(v, resumed[k]), k
+
+    from .workers import build
+
+    plain, _, _ = build(0.0)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore({"model": plain}, strict=False) == 30
+    for k, v in whole.items():
+        assert torch.equal(v, plain.state_dict()[k]), k
