@@ -556,7 +556,10 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         targets = flatten_target(entry.inner, path) if path else {}
         saved_names = {name for source in entry.sources for name in tensor_names(source)}
         if not strict:
+            live = targets
             targets = {name: t for name, t in targets.items() if name in saved_names}
+            if live and saved_names and not targets:
+                _warn_nothing_matched(key, step, sorted(live), sorted(saved_names))
         for name, t in targets.items():
             _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
         if isinstance(entry.inner, torch.nn.Module) and path:
@@ -576,6 +579,15 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
             else:
                 destinations[name] = _Destination.fresh(meta)
     return destinations, entries, record
+
+
+def _warn_nothing_matched(key: str, step: int, live: list[str], saved: list[str]) -> None:
+    """``strict=False``, and none of an entry's tensors is among the many it has in the
+    checkpoint: renamed attributes, most likely, and silence would leave the whole entry
+    as initialised while the restore reports the step."""
+    log.warning("resilient: key %r: none of its %d tensors is among the %d the checkpoint of step %d holds "
+                "for it (it has %r, the checkpoint %r, ...): nothing of it was loaded", key, len(live),
+                len(saved), step, live[0], saved[0])
 
 
 def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], step_dir: str, rank: int,

@@ -42,7 +42,7 @@ def test_restore_a_chosen_step_and_never_another(root):
         assert ckpt.restore(target) == 3  # without step=, the newest good one as always
 
 
-def test_model_only_restore_for_evaluation_and_fine_tuning(root):
+def test_model_only_restore_for_evaluation_and_fine_tuning(root, caplog):
     trained = _model(1)
     optim = torch.optim.Adam(trained.parameters())
     trained(torch.randn(3, 4)).sum().backward()
@@ -75,6 +75,14 @@ def test_model_only_restore_for_evaluation_and_fine_tuning(root):
             ckpt.restore({"model": smaller})
         assert ckpt.restore({"model": smaller}, strict=False) == 10
         assert torch.equal(smaller[0].bias, trained[0].bias)
+        # a module none of whose tensors the checkpoint has (attributes renamed): said, not silent
+        renamed = torch.nn.ModuleDict({"encoder": _model(4)})
+        before = [t.detach().clone() for t in renamed.parameters()]
+        caplog.clear()
+        assert ckpt.restore({"model": renamed}, strict=False) == 10
+        assert all(torch.equal(a, b) for a, b in zip(before, renamed.parameters()))
+        assert "key 'model': none of its 4 tensors is among the 4 the checkpoint of step 10 holds" in caplog.text
+        assert "'model/encoder.0.bias', the checkpoint 'model/0.bias'" in caplog.text
 
 
 def test_per_rank_entry_in_one_process(root):
