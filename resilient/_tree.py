@@ -9,7 +9,8 @@ because writing it would need pickle, and a checkpoint must never run code when 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 from urllib.parse import quote
 
 import torch
@@ -156,9 +157,19 @@ class Flattened:
             return {"t": "v", "v": obj}
         raise UnsupportedStateError(
             f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
-            "cannot be checkpointed without pickle; store tensors, numbers, strings, "
-            "lists and dicts, or an object with state_dict()/load_state_dict()"
+            f"cannot be checkpointed without pickle; {_remedy(obj)}"
         )
+
+
+def _remedy(obj: Any) -> str:
+    """What to store instead of ``obj``: numpy's values, which torch.save users keep in their
+    state, get the conversion that keeps them whole."""
+    if type(obj).__module__ == "numpy":
+        if type(obj).__name__ == "ndarray":
+            return "store torch.from_numpy(value) (restored as a tensor; .numpy() gives the array back)"
+        return "store value.item() (a Python number, restored as one)"
+    return ("store tensors, numbers, strings, lists and dicts, or an object with "
+            "state_dict()/load_state_dict()")
 
 
 def flatten_state(state: Mapping[str, Any], rank: int = 0) -> Flattened:

@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,12 @@ def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
             ckpt.save(1, {"w": torch.ones(2), "extra": {"hook": lambda: 0}})
         with pytest.raises(UnsupportedStateError, match="object"):
             ckpt.save(1, {"w": object()})
+        # numpy's values, which torch.save pickled, get the conversion that keeps them whole
+        with pytest.raises(UnsupportedStateError, match=r"state\['perm'\]: a value of type numpy.ndarray .*"
+                                                        r"store torch.from_numpy\(value\)"):
+            ckpt.save(1, {"w": torch.ones(2), "perm": np.arange(4)})
+        with pytest.raises(UnsupportedStateError, match=r"state\['meta/best'\]: .*numpy.float32 .*value.item\(\)"):
+            ckpt.save(1, {"w": torch.ones(2), "meta": {"best": np.float32(0.5)}})
         ckpt.wait()
         assert ckpt.latest() is None
     assert [n for n in os.listdir(root) if not n.startswith(".")] == []
