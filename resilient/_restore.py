@@ -41,14 +41,15 @@ import os
 import socket
 import threading
 from concurrent.futures import Executor, Future
-from typing import Any, Callable, MutableMapping
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, MutableMapping
 
 import torch
 
 from ._box_runs import SavedBoxes
 from ._chunkio import ChunkedFile, ChunkRun, batched
 from ._coord import Coordinator
-from ._errors import CheckpointCorruptError, StateError
+from ._errors import CheckpointCorruptError, ResilientError, StateError
 from ._format import dtype_from_name, dtype_name
 from ._gc_pause import gc_paused
 from ._layout import Box, contiguous_range, intersect
@@ -309,6 +310,22 @@ class _Destination:
                 bitwise(local).copy_(bitwise(self.buffer))
 
 
+@contextmanager
+def _refused_by(key: str, step: int, who: str) -> Iterator[None]:
+    """An error of the program's own code given a checkpoint that passed every check: the
+    state does not fit it (an optimizer built with other parameter groups, a loader of
+    another version), which no older checkpoint mends. Before, it counted as this
+    checkpoint being unusable: every older step was loaded in turn, into the same state,
+    and the restore ended blaming the checkpoints ("no loadable checkpoint")."""
+    try:
+        yield
+    except ResilientError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the program's code raises
+        raise StateError(f"key {key!r}: {who} refused the checkpoint of step {step}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
 class _Entry:
     """How one top-level entry of the state is restored: ``sources`` are the saved trees its
     value is built from (one; or, for per-rank state at a new world size, every old rank's,
@@ -320,14 +337,16 @@ class _Entry:
         self.inner = state_holder(target.value if isinstance(target, PerRank) else target, _saved_keys(sources[0]))
 
     def apply(self, state: MutableMapping[str, Any], tensor: Callable[[str], torch.Tensor], rank: int,
-              world_size: int, strict: bool) -> None:
+              world_size: int, strict: bool, step: int) -> None:
         values = [build_value(source, tensor) for source in self.sources]
-        value = self.reshard(values, rank, world_size) if self.reshard is not None else values[0]
+        with _refused_by(self.key, step, "its reshard rule"):
+            value = self.reshard(values, rank, world_size) if self.reshard is not None else values[0]
         if self.sources[0]["t"] in ("obj", "dict") and is_stateful(self.inner):
-            if isinstance(self.inner, torch.nn.Module) and not strict:
-                self.inner.load_state_dict(value, strict=False)
-            else:
-                self.inner.load_state_dict(value)
+            with _refused_by(self.key, step, f"{type(self.inner).__name__}.load_state_dict"):
+                if isinstance(self.inner, torch.nn.Module) and not strict:
+                    self.inner.load_state_dict(value, strict=False)
+                else:
+                    self.inner.load_state_dict(value)
         elif isinstance(self.target, PerRank):
             self.target.value = value
         else:  # tensors loaded in place come back as the same objects
@@ -645,7 +664,7 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
     # -- apply --------------------------------------------------------------------------------
     with gc_paused():
         for entry in entries:
-            entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict)
+            entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict, manifest["step"])
     return saved_rng.state(step_dir)
 
 

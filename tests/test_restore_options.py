@@ -85,6 +85,29 @@ def test_model_only_restore_for_evaluation_and_fine_tuning(root, caplog):
         assert "'model/encoder.0.bias', the checkpoint 'model/0.bias'" in caplog.text
 
 
+def test_an_optimizer_that_does_not_fit_the_checkpoint_is_named_and_no_older_step_is_tried(root, caplog):
+    """Its load_state_dict refuses a checkpoint that passed every check: the state does not
+    fit, and no older step would (each was tried before, and the checkpoints were blamed)."""
+    model = _model(1)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        ckpt.save(2, {"model": model, "optim": optim})
+    grouped = _model(2)
+    groups = torch.optim.AdamW([{"params": grouped[0].parameters()}, {"params": grouped[2].parameters(), "lr": 0.1}])
+    caplog.clear()
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(StateError, match=r"key 'optim': AdamW.load_state_dict refused the checkpoint of step 2: "
+                                             r"ValueError: loaded state dict has a different number of parameter groups"):
+            ckpt.restore({"model": grouped, "optim": groups})
+        assert "skipping checkpoint" not in caplog.text
+        fitting = torch.optim.AdamW(grouped.parameters())
+        assert ckpt.restore({"model": grouped, "optim": fitting}) == 2  # nothing was marked bad
+    assert torch.equal(fitting.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
+
+
 def test_per_rank_entry_in_one_process(root):
     state = {"w": torch.ones(2), "loader": PerRank({"gen": torch.Generator().manual_seed(5).get_state(), "pos": 7})}
     with Checkpointer(root) as ckpt:

@@ -252,6 +252,17 @@ def per_rank_restore(a: dict) -> None:
             else:
                 raise AssertionError("per-rank state restored at another world size without a rule")
 
+            def broken(saved: list, new_rank: int, new_world: int) -> dict:
+                return saved[0]["cursor"]  # a rule written for another loader's state
+
+            loader.reshard = broken
+            try:  # the rule's error is the state's: named, and no older step is tried
+                ckpt.restore(state)
+            except StateError as exc:
+                assert "key 'loader': its reshard rule refused the checkpoint of step 5: KeyError" in str(exc), exc
+            else:
+                raise AssertionError("a reshard rule that raised restored anyway")
+
             def rule(saved: list, new_rank: int, new_world: int) -> dict:
                 mine = dict(saved[new_rank % len(saved)])
                 mine["position"] += 1000 * (new_rank // len(saved))
