@@ -545,11 +545,13 @@ class Staging:
             assert fence is not None
             progress, since = fence.progress, [0]
 
+            # the writer thread waits on these: blocking events put it to sleep until the copy
+            # is there, where a default one spins a core (the training's, on a busy host)
             def mark(place: int, blob: Blob) -> None:  # an event every EVENT_BYTES, for the writer
                 since[0] += blob.length
                 if since[0] >= CopyProgress.EVENT_BYTES:
                     since[0] = 0
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event(blocking=True)
                     event.record(self._stream)
                     progress.recorded(place + 1, event)
 
@@ -558,7 +560,7 @@ class Staging:
             first.record(self._stream)
             self._copy(buffer, tensors, later, non_blocking=True,
                        on_blob=lambda place, blob: mark(len(now) + place, blob))
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)
             done.record(self._stream)
             progress.recorded(len(now) + len(later), done)
         training.wait_event(first)
