@@ -495,8 +495,14 @@ class Checkpointer:
         local_s = time.monotonic() - started
         remote_s = None
         if self._remote is not None:
-            self.flush(max(0.0, deadline - time.monotonic()))
-            remote_s = time.monotonic() - started
+            try:  # a store that is slow or down must not keep the process past its grace
+                self.flush(max(0.0, deadline - time.monotonic()))
+                remote_s = time.monotonic() - started
+            except (TimeoutError, RuntimeError) as exc:
+                log.warning("resilient: preempted: step %d is committed on this node's disk, not on %s within the "
+                            "grace (%s); a Checkpointer started on this node uploads it", step, self._remote.url, exc)
+        if watch is not None:
+            watch.settled()
         self._events.emit("preempted", step=step, signal=watch.signal if watch else None,
                           local_s=round(local_s, 3), remote_s=None if remote_s is None else round(remote_s, 3))
         log.warning("resilient: preempted: step %d committed %.2f s after the signal%s; exiting", step, local_s,
@@ -913,6 +919,9 @@ class Checkpointer:
         if self._watchdog is not None:
             self._watchdog.close()
         timeout = self.commit_timeout if timeout is None else timeout
+        left = self._preemption.seconds_left() if self._preemption is not None else None
+        if left is not None:  # asked to stop: what is unfinished when the grace is over stays so
+            timeout = min(timeout, left)
         try:
             self.wait(timeout)
             if self._remote is not None:
@@ -923,7 +932,7 @@ class Checkpointer:
             if self._uploader is not None:
                 self._uploader.close()
             self._events.close()
-            if not self._writer.stop(timeout=timeout):
+            if not self._writer.stop(timeout=max(timeout, 1.0)):  # an idle writer needs a moment to join
                 log.warning("resilient: background writer still busy at close; abandoning it")
             self._staging.close()
             self._read_pool.shutdown()

@@ -9,6 +9,13 @@ The handler only records the signal: the training loop is in the middle of a ste
 checkpoint needs every rank at the same step. ``Checkpointer.save`` then agrees with the
 other ranks (one small all-reduce per call) to save that step whatever ``every`` says,
 commits it, flushes it, and exits the process with status 0.
+
+A signal whose default action the program had left in place (termination) still ends the
+process when no ``save`` comes to do it: a second one ends it at once, and the first one
+the grace (plus ``FALLBACK_SLACK``) after it arrived. Before, a process that was asked to
+stop while in a long evaluation, or past its last save (waiting in ``close`` for an upload),
+went on until the next save or the platform's SIGKILL, and ``kill`` or ``timeout`` did not
+stop it at all.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ log = logging.getLogger("resilient")
 GRACE_ENV = "RESILIENT_PREEMPT_GRACE"
 DEFAULT_GRACE = 25.0  # Kubernetes' default grace is 30 s; leave room for the exit itself
 _SIGNALS = ("SIGTERM", "SIGUSR1")
+#: seconds past the grace before the first signal ends a process that no save ended: the
+#: preempted save's own exit, which the grace bounds, comes first
+FALLBACK_SLACK = 2.0
 
 
 def grace_seconds() -> float:
@@ -46,19 +56,46 @@ class Preemption:
         self.signal: str | None = None
         self.at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
+        self._fallback: threading.Timer | None = None
 
     @property
     def requested(self) -> bool:
         return self.signal is not None
 
+    def seconds_left(self) -> float | None:
+        """Of the grace since the signal (None: no signal yet)."""
+        return None if self.at is None else max(0.0, self.at + grace_seconds() - time.monotonic())
+
+    def settled(self) -> None:
+        """The preempted step is saved: what is left is the program's exit, not the fallback's."""
+        if self._fallback is not None:
+            self._fallback.cancel()
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signal is None:
+        first = self.signal is None
+        if first:
             self.signal, self.at = signal.Signals(signum).name, time.monotonic()
             log.warning("resilient: %s received: the next save() checkpoints that step, drains it and exits",
                         self.signal)
         previous = self._previous.get(signum)
-        if callable(previous):  # a handler the program had installed still runs
+        if callable(previous):  # a handler the program had installed still runs, and decides
             previous(signum, frame)
+        elif first:
+            self._fall_back_to_default(signum)
+
+    def _fall_back_to_default(self, signum: int) -> None:
+        """(Main thread, in the handler.) The default action from now on, and this signal
+        delivered again if the process is still alive once the grace is over."""
+        signal.signal(signum, signal.SIG_DFL)
+        timer = threading.Timer(grace_seconds() + FALLBACK_SLACK, self._end, (signum,))
+        timer.daemon = True
+        timer.start()
+        self._fallback = timer
+
+    def _end(self, signum: int) -> None:
+        log.warning("resilient: %s received %.0f s ago and no save() has ended the process since; ending it as "
+                    "the signal's default action does", self.signal, time.monotonic() - (self.at or 0.0))
+        os.kill(os.getpid(), signum)
 
     def install(self) -> bool:
         """Handle SIGTERM and SIGUSR1 from now on; False where this is not possible (not the

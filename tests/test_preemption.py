@@ -34,8 +34,8 @@ def _wait_for_steps(path: str, proc: subprocess.Popen, count: int, timeout: floa
         time.sleep(0.1)
 
 
-def _start(cmd: list[str], events: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": REPO, "RESILIENT_EVENT_LOG": events, "OMP_NUM_THREADS": "1"}
+def _start(cmd: list[str], events: str, **extra_env: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": REPO, "RESILIENT_EVENT_LOG": events, "OMP_NUM_THREADS": "1", **extra_env}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -84,3 +84,63 @@ def test_sigusr1_to_resilient_run_preempts_every_rank_at_one_step(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "SIGUSR1 received" in out, out[-3000:]
     _check_durable(root, remote, _events(events), 2)
+
+
+_SAVES_THEN_EVALUATES = """
+import sys, time, torch
+from resilient import Checkpointer
+ckpt = Checkpointer(sys.argv[1])
+ckpt.save(1, {"w": torch.ones(4)}).result()
+print("saved; evaluating", flush=True)
+time.sleep(600)  # no save() comes: a long evaluation, or a loop that is done saving
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_process_asked_to_stop_that_saves_no_more_still_ends(tmp_path, signals):
+    """SIGTERM's default action, which the program left in place, ends it when no save()
+    does: the first signal once the grace is over, a second one at once. Before, it went on
+    until the platform's SIGKILL, and ``kill`` or ``timeout`` never stopped it."""
+    grace = "2" if signals == 1 else "60"  # with 60, only the second signal can end it in time
+    env = {**os.environ, "PYTHONPATH": REPO, "RESILIENT_PREEMPT_GRACE": grace}
+    proc = subprocess.Popen([sys.executable, "-c", _SAVES_THEN_EVALUATES, str(tmp_path / "ckpt")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "saved; evaluating"
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGTERM, out[-3000:]
+    assert "SIGTERM received" in out
+    assert ("no save() has ended the process since" in out) == (signals == 1), out[-3000:]
+
+
+def test_a_preempted_save_whose_remote_tier_is_down_still_exits_within_the_grace(tmp_path):
+    """The step is committed on the local tier and the process exits with status 0 when
+    the grace is over, saying the remote tier lacks it. Before, the flush's TimeoutError
+    escaped the save, and closing then waited for the upload for RESILIENT_FLUSH_TIMEOUT
+    (300 s) more."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the remote tier's directory should be")
+    root, events = str(tmp_path / "ckpt"), str(tmp_path / "events.jsonl")
+    proc = _start([sys.executable, "examples/train.py", "--root", root, "--remote", f"file://{blocker}/remote",
+                   "--every", "1000", "--steps", "100000", "--width", "64", "--step-time", "0.01"], events,
+                  RESILIENT_PREEMPT_GRACE="3")
+    try:
+        _wait_for_steps(events, proc, 20)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    preempted = [e for e in _events(events) if e["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["remote_s"] is None, preempted
+    assert f"step {preempted[0]['step']} is committed on this node's disk, not on {blocker}/remote" in out, out[-3000:]
+    assert "background writer still busy" not in out  # it had committed the step
+    with Checkpointer(root) as ckpt:
+        assert ckpt.latest() == preempted[0]["step"]
