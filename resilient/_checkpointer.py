@@ -33,7 +33,7 @@ from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng, parse_rng
 from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
-from ._storage import LocalStorage, Storage, open_storage
+from ._storage import LocalStorage, Storage, missing_bucket, open_storage
 from ._transfer import ProgressLog, copy_step, missing_files
 from ._tree import Flattened, flatten_state
 from ._uploader import Holdings, Uploader, files_held
@@ -270,7 +270,12 @@ class Checkpointer:
         # passes a solo one, so that no collective waits for ranks that never call
         self._coord: Coordinator = _coordinator or make_coordinator(process_group, self._tier)
         self._claimed: bool | None = None  # None: not yet asked (see _claim_root, at the first save)
-        _refuse_different_remotes(self._coord.all_gather(remote))
+        # rank 0 asks the store once whether the remote tier's bucket exists (``missing_bucket``)
+        missing = missing_bucket(self._remote) if self._remote is not None and self._coord.rank == 0 else None
+        gathered = self._coord.all_gather([remote, missing])
+        _refuse_different_remotes([url for url, _ in gathered])
+        if gathered[0][1] is not None:
+            raise StorageError(errno.ENOENT, gathered[0][1])
         if self._coord.is_leader:
             if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
                 self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 from ._errors import StorageError
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "open_storage", "is_remote"]
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "missing_bucket", "open_storage", "is_remote"]
 
 # protocol -> the extra that installs its fsspec implementation
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
@@ -220,6 +220,45 @@ class FsspecStorage:
             raise FileNotFoundError(f"{self.url}/{path}".rstrip("/")) from None
         return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
                 for e in entries if e.get("type") == "file"}
+
+
+#: what object stores call a bucket or container that does not exist (S3 and its clones,
+#: Azure), in the errors fsspec's backends chain under their ``FileNotFoundError``
+_NO_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound"})
+_NO_BUCKET_WORDS = ("bucket does not exist", "container does not exist")
+
+
+def _names_a_missing_bucket(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        response = getattr(link, "response", None)
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if code in _NO_BUCKET_CODES or any(words in str(link).lower() for words in _NO_BUCKET_WORDS):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
+def missing_bucket(storage: Storage) -> str | None:
+    """Why ``storage`` cannot be a remote tier, when its bucket does not exist; None when it
+    does, or when the store gave no answer (an unreachable store is retried where it is used).
+
+    Why ask: a listing of a missing bucket raised ``FileNotFoundError`` as an empty prefix
+    does, so a mistyped bucket looked like a new run's empty tier: a job resumed on fresh
+    nodes started from step 0 without a word, and every upload was retried for ever."""
+    if not isinstance(storage, FsspecStorage):
+        return None
+    try:
+        storage.fs.ls(storage._p(""), detail=False, refresh=True)
+    except FileNotFoundError as exc:
+        if _names_a_missing_bucket(exc):
+            bucket = storage._base.split("/", 1)[0]
+            return f"remote tier {storage.url}: the bucket {bucket!r} does not exist (create it, or correct remote=)"
+    except Exception:  # noqa: BLE001 - unreachable, throttled, refused: not this question's answer
+        return None
+    return None
 
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:

@@ -116,10 +116,28 @@ def test_ranks_given_different_remote_tiers_are_refused_on_every_rank(tmp_path):
     per rank (here: suffixed with the rank) would hang the others' flush. Every rank refuses,
     naming each URL and its ranks."""
     remote = f"file://{tmp_path}/remote"
-    results = run_ranks("remote_differs_by_rank", 2, {"root": str(tmp_path / "run"), "remote": remote}, timeout=60)
+    results = run_ranks("remote_refused", 2, {"root": str(tmp_path / "run"), "remote": remote, "per_rank": True},
+                        timeout=60)
     for r in results:
         assert f"rank {r.rank} refused: the ranks were given different remote tiers" in r.output
         assert f"remote='{remote}-0' on rank 0; remote='{remote}-1' on rank 1" in r.output
+
+
+def test_a_remote_tier_whose_bucket_does_not_exist_is_refused_on_every_rank(tmp_path, s3_server):
+    """Listed, a missing bucket looked like a new run's empty tier: a job resumed on fresh
+    nodes with a mistyped bucket started from step 0 without a word. Rank 0 asks the store
+    once; every rank refuses, naming the URL and the bucket, never the credentials."""
+    remote = "s3://no-such-bucket-here/run"
+    results = run_ranks("remote_refused", 2, {"root": str(tmp_path / "run"), "remote": remote,
+                                              "storage_options": s3_server["options"]}, timeout=60)
+    for r in results:
+        assert (f"rank {r.rank} refused: [Errno 2] remote tier {remote}: the bucket 'no-such-bucket-here' does not "
+                "exist (create it, or correct remote=)") in r.output, r.output[-2000:]
+        assert all(str(secret) not in r.output for secret in s3_server["options"].values() if len(str(secret)) > 6)
+    # a prefix not used yet in a bucket that exists is a new run's tier, as before
+    with Checkpointer(str(tmp_path / "new"), remote=f"s3://{s3_server['bucket']}/not-used-yet",
+                      storage_options=s3_server["options"]) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(2)}) == 0
 
 
 def test_ddp_resumes_from_the_remote_tier_alone(baselines, tmp_path, s3_server):

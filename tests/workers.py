@@ -175,15 +175,19 @@ def mismatch_on_one_rank(a: dict) -> None:
     raise AssertionError("restore did not refuse")
 
 
-def remote_differs_by_rank(a: dict) -> None:
-    """Each rank builds its remote URL itself and gets another one: every rank must refuse."""
+def remote_refused(a: dict) -> None:
+    """A remote tier every rank must refuse: one each rank built itself (``per_rank``: the
+    URL suffixed with the rank), or one whose bucket does not exist."""
+    from resilient import StorageError
+
     rank, world = init()
+    remote = f"{a['remote']}-{rank}" if a.get("per_rank") else a["remote"]
     try:
-        Checkpointer(a["root"], remote=f"{a['remote']}-{rank}")
-    except ValueError as exc:
+        Checkpointer(a["root"], remote=remote, storage_options=a.get("storage_options"))
+    except (ValueError, StorageError) as exc:
         print(f"rank {rank} refused: {exc}", flush=True)
         return
-    raise AssertionError("different remote tiers were accepted")
+    raise AssertionError(f"remote tier {remote} was accepted")
 
 
 def rank_dependent_tensor_refused(a: dict) -> None:
@@ -503,7 +507,7 @@ def harness_probe(a: dict) -> None:
 
 
 SCENARIOS = {f.__name__: f for f in (harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
-                                     remote_differs_by_rank,
+                                     remote_refused,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore, saves_on_own_nodes,
                                      stateful_dataloader_per_rank, replicated_save, replicated_restore,
                                      recycled_saves, rng_per_rank_save, rng_per_rank_restore, placements_refused)}
