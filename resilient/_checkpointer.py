@@ -302,6 +302,7 @@ class Checkpointer:
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
         self._reported_first_step = False
+        self._order_checked = False  # whether the first save looked for newer steps (``_warn_if_newer``)
         self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit, _on_hang)
         self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
                                        on_fire=lambda kind, step: self._events.emit("fault", kind=kind, step=step))
@@ -418,6 +419,10 @@ class Checkpointer:
         due, preempted = self._decide(step, force)
         if not due:
             return None
+        if not self._order_checked:
+            self._order_checked = True
+            if self._coord.rank == 0:
+                self._warn_if_newer(step)
         # under @resilient.elastic, a process waiting to join: every rank agrees (at a save
         # that is due anyway, so steps pay nothing) to commit this step and re-form
         joining = self._join_pending is not None and bool(self._coord.agree_max(int(self._join_pending())))
@@ -466,6 +471,24 @@ class Checkpointer:
             self.wait()
             raise GangChange(f"a process joins the gang: step {step} is committed, re-forming")
         return handle
+
+    def _warn_if_newer(self, step: int) -> None:
+        """Say so when the first save of this Checkpointer is older than checkpoints already
+        on its local tier: another run's (restore() was not called, or the root is reused),
+        or the steps a rollback (``restore(step=...)``) abandoned. The newest step wins every
+        restore, so a restart would silently resume from those, and retention, which keeps
+        the newest, deletes this run's saves first."""
+        newer = [s for s in self._tier.committed_steps() if s > step]
+        if not newer:
+            return
+        restored = self._restored_step
+        after = min(restored, step - 1) if restored is not None else step - 1
+        shown = ", ".join(map(str, newer[:3])) + (f" ... {newer[-1]}" if len(newer) > 3 else "")
+        log.warning("resilient: saving step %d into %s, which holds newer checkpoints (steps %s): another run's, "
+                    "or the steps a rollback abandoned. A restart resumes from the newest, step %d, not from this "
+                    "run's saves, and retention deletes this run's older saves first. Delete them "
+                    "(resilient-ckpt prune %s --after %d) or save under another root", step, self.root, shown,
+                    newer[-1], self.root, after)
 
     def _deferred(self, state: Mapping[str, Any], tensors: dict[str, torch.Tensor]) -> set[str]:
         """The tensors whose copy may run on while training does (see ``_fence``)."""
@@ -896,6 +919,7 @@ class Checkpointer:
                 apply_rng(rng)
             self._restored_step = step
             self._reported_first_step = False
+            self._order_checked = False  # a rollback's first save looks again
             self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),
                               source=fetched_steps.get(step, "local"))
             return step

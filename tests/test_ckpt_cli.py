@@ -312,3 +312,36 @@ print('AFTER-DIFF', codes['diff'], 'torch' in sys.modules)
     assert json.loads(codes_json) == {"ls": 0, "show": 0, "verify": 0, "timeline": 0, "push": 0, "prune": 0}
     assert torch_loaded == "False", "an inspecting command imported torch"
     assert lines["AFTER-DIFF"] == "0 True"
+
+
+def test_a_rollbacks_first_save_names_the_abandoned_steps_and_prune_after_deletes_them(capsys, tmp_path, caplog):
+    """After restore(step=2) of a run that reached step 4, the newest step wins every
+    restart: the first save says so, naming the steps, and ``prune --after`` removes them.
+    A fresh run saving into an old run's root is told the same."""
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, keep=None) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, {"x": torch.full((2,), float(step))})
+    state = {"x": torch.zeros(2)}
+    with Checkpointer(root, keep=None) as ckpt:
+        assert ckpt.restore(state, step=2) == 2
+        caplog.clear()
+        ckpt.save(3, state)  # the diverged run's own step 3 is replaced; step 4 stays newer
+        assert (f"saving step 3 into {root}, which holds newer checkpoints (steps 4): another run's, or the steps a "
+                "rollback abandoned. A restart resumes from the newest, step 4") in caplog.text
+        assert f"resilient-ckpt prune {root} --after 2" in caplog.text
+        caplog.clear()
+        ckpt.save(4, state)
+        assert "newer checkpoints" not in caplog.text  # said once, at the first save
+    code, out, _ = run(capsys, "prune", root, "--after", "4", "--dry-run")
+    assert code == 0 and "0 checkpoint(s) to delete, 4 kept (newest consistent: 4)" in out
+    code, out, _ = run(capsys, "prune", root, "--after", "2")
+    assert code == 0 and "deleted step 3" in out and "deleted step 4" in out
+    assert "2 kept (newest consistent: 2)" in out
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-0000000001", "step-0000000002"]
+    assert run(capsys, "prune", root, "--keep", "1", "--after", "1")[0] == 2  # one of the two
+    assert run(capsys, "prune", root)[0] == 2
+    caplog.clear()
+    with Checkpointer(root, keep=None) as ckpt:  # a new run that did not restore
+        ckpt.save(1, {"x": torch.ones(2)})
+    assert "(steps 2)" in caplog.text and f"prune {root} --after 0" in caplog.text

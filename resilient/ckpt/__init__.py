@@ -242,17 +242,27 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_prune(a: argparse.Namespace) -> int:
-    if a.keep < 1:
+    if (a.keep is None) == (a.after is None):
+        raise Usage("give one of --keep K and --after STEP")
+    if a.keep is not None and a.keep < 1:
         raise Usage(f"--keep must be >= 1, got {a.keep}")
+    if a.after is not None and a.after < 0:
+        raise Usage(f"--after must be >= 0, got {a.after}")
     catalog = _catalog(a.root, a.storage_options)
-    consistent = [e.step for e in catalog.entries() if e.state == COMMITTED]
-    doomed = to_delete(KeepLast(a.keep), consistent)
+    entries = catalog.entries()
+    consistent = [e.step for e in entries if e.state == COMMITTED]
+    if a.after is not None:  # a rollback's abandoned steps, whatever their state: none is to be resumed from
+        doomed = sorted(e.step for e in entries if e.step > a.after)
+        consistent_left = [s for s in consistent if s <= a.after]
+    else:
+        doomed = to_delete(KeepLast(a.keep), consistent)
+        consistent_left = [s for s in consistent if s not in doomed]
     for step in doomed:
         if not a.dry_run:
             catalog.delete_step(step)
         print(f"{'would delete' if a.dry_run else 'deleted'} step {step}")
     print(f"{len(doomed)} checkpoint(s) {'to delete' if a.dry_run else 'deleted'}, "
-          f"{len(consistent) - len(doomed)} kept (newest consistent: {max(consistent) if consistent else 'none'})")
+          f"{len(consistent_left)} kept (newest consistent: {max(consistent_left) if consistent_left else 'none'})")
     return 0
 
 
@@ -348,9 +358,12 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--format", required=True, choices=FORMATS)
     sp.add_argument("--step", type=int, help="default: the newest consistent step")
     sp.add_argument("--key", help="export only this top-level entry (e.g. model), names relative to it")
-    sp = add("prune", cmd_prune, "delete all but the newest K consistent checkpoints")
+    sp = add("prune", cmd_prune, "delete all but the newest K consistent checkpoints, or every one after STEP")
     sp.add_argument("root", metavar="ROOT")
-    sp.add_argument("--keep", type=int, required=True, metavar="K")
+    sp.add_argument("--keep", type=int, metavar="K", help="keep the newest K consistent checkpoints")
+    sp.add_argument("--after", type=int, metavar="STEP",
+                    help="delete every checkpoint after STEP: the steps a rollback to STEP abandons, which a "
+                         "restart would otherwise resume from")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     sp = add("timeline", cmd_timeline, "a run's recovery timeline and goodput, from its event log")
     sp.add_argument("log", metavar="RUN_LOG", help="the JSON-lines event log (RESILIENT_EVENT_LOG)")
