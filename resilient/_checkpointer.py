@@ -303,6 +303,8 @@ class Checkpointer:
         self._seq = 0
         self._reported_first_step = False
         self._order_checked = False  # whether the first save looked for newer steps (``_warn_if_newer``)
+        self._last_saved_step: int | None = None  # of the last save issued here (``_decide``)
+        self._skip_said: int | None = None  # the step whose repeated saves were last reported
         self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit, _on_hang)
         self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
                                        on_fire=lambda kind, step: self._events.emit("fault", kind=kind, step=step))
@@ -399,6 +401,7 @@ class Checkpointer:
 
     def save(self, step: int, state: Mapping[str, Any] | None = None, *, force: bool = False) -> SaveHandle | None:
         """Snapshot ``state`` for ``step`` if due (or ``force``); return its handle, else None.
+        The step saved last is not saved again unless ``force`` (see ``_say_skipped``).
 
         Returns once the snapshot is in host memory; writing and committing go on in the
         background. Waits first for the previous save's write, if still running.
@@ -461,6 +464,7 @@ class Checkpointer:
                 snapshot.complete(error=exc)
                 raise
         snapshot.complete(fence)
+        self._last_saved_step = step  # a save that raised before here is not one: its retry saves
         self.stats["bytes_staged"] += handle.nbytes
         handle.staged_at = time.perf_counter()
         self._events.emit("save_staged", step=step, stall_s=round(handle.staged_at - handle.started, 6),
@@ -506,12 +510,32 @@ class Checkpointer:
         (rank 0's clock decides) and preemption (a signal seen by any rank counts)."""
         time_based = bool(getattr(self._save_policy, "time_based", False)) and not force
         due = force or self._save_policy.due(step, time.monotonic())
+        if due and not force and step == self._last_saved_step:
+            due = False  # every rank makes the same calls, so every rank skips it
+            self._say_skipped(step)
         preempt = self._preemption is not None and self._preemption.requested
         if self._coord.world_size > 1 and (time_based or self._preemption is not None):
             vote = int(due) if (not time_based or self._coord.rank == 0) else 0
             due_max, preempt_max = self._coord.agree_max_many([vote, int(preempt)])
             due, preempt = bool(due_max), bool(preempt_max)
         return due or preempt, preempt
+
+    def _say_skipped(self, step: int) -> None:
+        """A save of the step this Checkpointer saved last is skipped: a loop that calls
+        ``save`` once per micro-batch (gradient accumulation) or from a hook that fires
+        several times a step saved the same step again and again, each a stall and a full
+        write (as Lightning's ModelCheckpoint, it saves a step once). Said once a step; as a
+        warning when that step's save failed here, since ``force=True`` is then the retry."""
+        if self._skip_said == step:
+            return
+        self._skip_said = step
+        last = self._inflight
+        if last is not None and last.step == step and last.done() and not last.committed:
+            log.warning("resilient: save(step=%d) skipped: it is the step saved last, and that save failed; "
+                        "save(step, force=True) saves it again", step)
+        else:
+            log.info("resilient: save(step=%d) skipped: this step was saved already (a save per micro-batch?); "
+                     "force=True saves it again", step)
 
     def _exit_preempted(self, step: int) -> None:
         """Commit ``step``, drain it to the remote tier within the grace, then end the process

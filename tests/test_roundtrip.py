@@ -182,6 +182,44 @@ def test_policies_every_force_and_retention(root):
         assert ckpt.latest() == 31
 
 
+def test_a_step_saved_again_is_skipped_unless_forced(root, caplog, monkeypatch):
+    """A loop that calls save once per micro-batch saved each due step once per micro-batch,
+    each a stall and a full write: the step saved last is skipped, the first call's state
+    kept, and force=True saves it again, which is the retry of a save that failed."""
+    state = {"x": torch.zeros(3)}
+    with Checkpointer(root, every=10, keep=None) as ckpt:
+        saved = []
+        for step in range(1, 21):
+            for micro in range(4):
+                state["x"] += 1
+                if ckpt.save(step, state) is not None:
+                    saved.append((step, micro))
+        assert saved == [(10, 0), (20, 0)]
+        assert ckpt.save(20, state, force=True) is not None
+        ckpt.wait()
+        assert ckpt.stats["saves_committed"] == 3
+    assert caplog.text.count("save(step=10) skipped: this step was saved already") == 1
+    back = {"x": torch.zeros(3)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(back, step=10) == 10 and back["x"].tolist() == [37.0] * 3  # the first call's
+        assert ckpt.restore(back) == 20 and torch.equal(back["x"], state["x"])  # the forced save's
+
+    # a save that raised is no save: its retry is not skipped
+    with Checkpointer(root, keep=None) as ckpt:
+        with pytest.raises(TypeError):
+            ckpt.save(30, {"x": torch.ones(3), "bad": object()})
+        assert ckpt.save(30, state) is not None
+    # one that failed in the background is the step saved last: said, and retried with force
+    monkeypatch.setenv("RESILIENT_FAULT", "raise:rank=0,step=40,phase=write")
+    with Checkpointer(root, keep=None) as ckpt:
+        with pytest.raises(Exception, match="injected"):
+            ckpt.save(40, state).result()
+        assert ckpt.save(40, state) is None
+        assert "save(step=40) skipped: it is the step saved last, and that save failed" in caplog.text
+        ckpt.save(40, state, force=True).result()
+        assert ckpt.latest() == 40
+
+
 def test_host_memory_does_not_grow_across_saves(root):
     state = {"big": torch.randn(16 << 20 // 4)}  # 16 MiB
     proc = psutil.Process()
