@@ -270,8 +270,10 @@ class Checkpointer:
         # passes a solo one, so that no collective waits for ranks that never call
         self._coord: Coordinator = _coordinator or make_coordinator(process_group, self._tier)
         self._claimed: bool | None = None  # None: not yet asked (see _claim_root, at the first save)
-        # rank 0 asks the store once whether the remote tier's bucket exists (``missing_bucket``)
-        missing = missing_bucket(self._remote) if self._remote is not None and self._coord.rank == 0 else None
+        # rank 0 asks the store once whether the remote tier's bucket exists (``missing_bucket``);
+        # an in-process recovery's Checkpointer (a later generation) does not ask again
+        asks = self._remote is not None and self._coord.rank == 0 and not _generation
+        missing = missing_bucket(self._remote) if asks else None
         gathered = self._coord.all_gather([remote, missing])
         _refuse_different_remotes([url for url, _ in gathered])
         if gathered[0][1] is not None:
