@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from resilient import Checkpointer
+from resilient._format import MANIFEST, step_dir_name
 
 from .faults import flip_byte
 from .launch import run_ranks
@@ -41,6 +42,31 @@ def test_ddp_killed_midway_resumes_bitwise_equal(baselines, tmp_path):
     resumed = _weights(tmp_path / "resumed.pt")
     for k, v in baselines[(2, 0.1)].items():
         assert torch.equal(v, resumed[k]), k  # dropout masks too: RNG states were restored
+
+
+def test_a_ddp_wrapped_state_resumes_bitwise_and_restores_into_the_plain_model(baselines, tmp_path):
+    """Two gloo ranks save the DDP wrapper itself (``resilient/_wrappers.py``): its keys were
+    saved with DDP's ``module.`` before them. Killed and resumed the same way they end bit for
+    bit where an uninterrupted run does, and the plain model (one process, as an evaluation
+    script) restores the checkpoint's model."""
+    root = str(tmp_path / "run")
+    args = {"root": root, "every": 10, "total": 30, "dropout": 0.0, "save_wrapped": True}
+    run_ranks("train", 2, {**args, "kill_at": 25}, expect_ok=False)
+    with open(os.path.join(root, step_dir_name(20), MANIFEST)) as f:
+        assert not [n for n in json.load(f)["tensors"] if "module." in n]  # the module's own keys
+    run_ranks("train", 2, {**args, "out": str(tmp_path / "resumed.pt")})
+    whole = baselines[(2, 0.0)]  # the same run, saving the plain model
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    for k, v in whole.items():
+        assert torch.equal(v, resumed[k]), k
+
+    from .workers import build
+
+    plain, _, _ = build(0.0)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore({"model": plain}, strict=False) == 30
+    for k, v in whole.items():
+        assert torch.equal(v, plain.state_dict()[k]), k
 
 
 def test_ddp_with_overlapped_staging_resumes_bitwise_equal(baselines, tmp_path):

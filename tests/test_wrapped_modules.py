@@ -1,4 +1,5 @@
-"""Modules wrapped by torch.compile or DDP: checkpoints hold the module's own keys.
+"""Modules wrapped by torch.compile or DDP: checkpoints hold the module's own keys (DDP's
+case, on two gloo ranks: ``test_distributed.py``).
 
 A wrapper's ``state_dict`` prefixes every key (``_orig_mod.``, ``module.``); saved that way,
 a checkpoint restored only into the same wrapping, and ``strict=False`` loaded nothing at
@@ -12,8 +13,6 @@ import torch
 
 from resilient import Checkpointer
 from resilient._format import MANIFEST, step_dir_name
-
-from .launch import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -89,27 +88,3 @@ def test_a_checkpoint_saved_with_the_wrappers_prefix_restores_into_the_same_wrap
     with Checkpointer(root, rng=False) as ckpt:
         assert ckpt.restore({"model": holder}) == 1
     assert _same(holder, _Holder("_orig_mod", model))
-
-
-def test_a_ddp_wrapped_state_resumes_bitwise_and_restores_into_the_plain_model(tmp_path):
-    """Two gloo ranks save the DDP wrapper itself; killed and resumed the same way they
-    end bit for bit where an uninterrupted run does, and the plain model (one process, as
-    an evaluation script) restores the checkpoint's model."""
-    root = str(tmp_path / "run")
-    args = {"root": root, "every": 10, "total": 30, "dropout": 0.0, "save_wrapped": True}
-    run_ranks("train", 2, {**args, "root": str(tmp_path / "whole"), "out": str(tmp_path / "whole.pt")})
-    run_ranks("train", 2, {**args, "kill_at": 25}, expect_ok=False)
-    assert not [n for n in _saved_names(root, 20) if "module." in n]
-    run_ranks("train", 2, {**args, "out": str(tmp_path / "resumed.pt")})
-    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
-    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
-    for k, v in whole.items():
-        assert torch.equal(v, resumed[k]), k
-
-    from .workers import build
-
-    plain, _, _ = build(0.0)
-    with Checkpointer(root) as ckpt:
-        assert ckpt.restore({"model": plain}, strict=False) == 30
-    for k, v in whole.items():
-        assert torch.equal(v, plain.state_dict()[k]), k
