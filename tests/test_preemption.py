@@ -40,6 +40,25 @@ def _start(cmd: list[str], events: str, **extra_env: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _example(root: str, remote: str) -> list[str]:
+    """examples/train.py, saving every 1000 steps: a signal lands between two saves."""
+    return [sys.executable, "examples/train.py", "--root", root, "--remote", remote, "--every", "1000",
+            "--steps", "100000", "--width", "64", "--step-time", "0.01"]
+
+
+def _signalled_mid_training(cmd: list[str], events: str, sig: signal.Signals, **extra_env: str) -> tuple[int, str]:
+    """(exit status, output) of ``cmd`` sent ``sig`` once it has trained 20 steps."""
+    proc = _start(cmd, events, **extra_env)
+    try:
+        _wait_for_steps(events, proc, 20)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
+
+
 def _check_durable(root: str, remote: str, events: list[dict], world: int) -> None:
     preempted = [e for e in events if e["event"] == "preempted"]
     assert len(preempted) == world, events[-10:]
@@ -56,32 +75,19 @@ def _check_durable(root: str, remote: str, events: list[dict], world: int) -> No
 
 def test_sigterm_saves_the_current_step_on_both_tiers_and_exits_cleanly(tmp_path):
     root, remote, events = str(tmp_path / "ckpt"), f"file://{tmp_path / 'remote'}", str(tmp_path / "events.jsonl")
-    proc = _start([sys.executable, "examples/train.py", "--root", root, "--remote", remote, "--every", "1000",
-                   "--steps", "100000", "--width", "64", "--step-time", "0.01"], events)
-    try:
-        _wait_for_steps(events, proc, 20)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    code, out = _signalled_mid_training(_example(root, remote), events, signal.SIGTERM)
+    assert code == 0, out[-3000:]
     assert "SIGTERM received" in out
     _check_durable(root, remote, _events(events), 1)
 
 
 def test_sigusr1_to_resilient_run_preempts_every_rank_at_one_step(tmp_path):
     root, remote, events = str(tmp_path / "ckpt"), f"file://{tmp_path / 'remote'}", str(tmp_path / "events.jsonl")
-    proc = _start([sys.executable, "-m", "resilient.launch.run", "--standalone", "--nproc-per-node", "2",
-                   "--shutdown-timeout", "40", "examples/train.py", "--root", root, "--remote", remote,
-                   "--every", "1000", "--steps", "100000", "--width", "64", "--step-time", "0.01"], events)
-    try:
-        _wait_for_steps(events, proc, 20)
-        proc.send_signal(signal.SIGUSR1)  # what Slurm's --signal=USR1@N sends to the job step
-        out, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    launcher = [sys.executable, "-m", "resilient.launch.run", "--standalone", "--nproc-per-node", "2",
+                "--shutdown-timeout", "40"]
+    example = _example(root, remote)[1:]
+    # SIGUSR1: what Slurm's --signal=USR1@N sends to the job step
+    _, out = _signalled_mid_training(launcher + example, events, signal.SIGUSR1)
     assert "SIGUSR1 received" in out, out[-3000:]
     _check_durable(root, remote, _events(events), 2)
 
@@ -127,17 +133,9 @@ def test_a_preempted_save_whose_remote_tier_is_down_still_exits_within_the_grace
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the remote tier's directory should be")
     root, events = str(tmp_path / "ckpt"), str(tmp_path / "events.jsonl")
-    proc = _start([sys.executable, "examples/train.py", "--root", root, "--remote", f"file://{blocker}/remote",
-                   "--every", "1000", "--steps", "100000", "--width", "64", "--step-time", "0.01"], events,
-                  RESILIENT_PREEMPT_GRACE="3")
-    try:
-        _wait_for_steps(events, proc, 20)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
+    code, out = _signalled_mid_training(_example(root, f"file://{blocker}/remote"), events, signal.SIGTERM,
+                                        RESILIENT_PREEMPT_GRACE="3")
+    assert code == 0, out[-3000:]
     preempted = [e for e in _events(events) if e["event"] == "preempted"]
     assert len(preempted) == 1 and preempted[0]["remote_s"] is None, preempted
     assert f"step {preempted[0]['step']} is committed on this node's disk, not on {blocker}/remote" in out, out[-3000:]
