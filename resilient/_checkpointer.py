@@ -23,7 +23,7 @@ from ._claim import claim_root, job_id, live_sessions, release_root
 from ._coord import Coordinator, make_coordinator
 from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError, StorageError
 from ._events import EventLog
-from ._format import MANIFEST, REMOTE_RECORD, data_file_name, decode_manifest, step_dir_name
+from ._format import MANIFEST, REMOTE_RECORD, NewerFormatError, data_file_name, decode_manifest, step_dir_name
 from ._gc_pause import gc_paused
 from ._local import LocalTier
 from ._peer_memory import PeerMemory
@@ -905,6 +905,8 @@ class Checkpointer:
                     rng = parse_rng(saved_rng) if saved_rng else None
             except OtherRankFailed as exc:  # that rank says why; this copy is not shown bad
                 failure = exc
+            except NewerFormatError as exc:  # not damage: an older step would be a silent step back
+                refused = exc
             except (CheckpointCorruptError, OSError) as exc:
                 failure = exc
                 proven_bad = loaded_here and isinstance(exc, CheckpointCorruptError)

@@ -149,6 +149,12 @@ MAX_TREE_DEPTH = 512
 _NODE_KINDS = ("dict", "list", "tuple", "tensor", "v", "obj", "per_rank")
 
 
+class NewerFormatError(CheckpointCorruptError):
+    """A manifest of a format newer than this version reads. Not damage: a restore refuses
+    it on every rank instead of going back to an older step without a word (a job or an
+    evaluation running an older resilient than the one that wrote the newest step)."""
+
+
 @gc_paused()
 def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
     """Parse and validate a manifest; ``where`` names it in errors.
@@ -166,7 +172,14 @@ def decode_manifest(raw: bytes, where: str) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{where}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{where}: not a resilient checkpoint manifest")
-    if manifest.get("version") not in READ_VERSIONS:
+    version = manifest.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise NewerFormatError(
+            f"{where}: written by a newer resilient (checkpoint format {version}; this one reads formats "
+            f"{', '.join(map(str, READ_VERSIONS))}): upgrade resilient to read it, or restore an older step with "
+            "restore(step=...)"
+        )
+    if version not in READ_VERSIONS:
         raise CheckpointCorruptError(
             f"{where}: format version {manifest.get('version')!r} is not supported "
             f"(this resilient reads versions {', '.join(map(str, READ_VERSIONS))})"

@@ -18,6 +18,7 @@ from isal.isal_zlib import crc32
 
 from resilient import Checkpointer
 from resilient.ckpt import main as ckpt_main
+from resilient._format import MANIFEST, VERSION, step_dir_name
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -235,3 +236,28 @@ def test_a_resized_restore_warns_of_an_entry_that_differs_by_rank_once_per_disti
         node = dict(manifest["ranks"][0]["tree"]["items"])["meta"]
         _plan_entry("meta", {}, node, manifest, rank=0, world_size=2)
         assert ("'meta' differs by rank" in caplog.text) is warned
+
+
+def test_a_manifest_of_a_newer_format_is_refused_not_stepped_back_from(root):
+    """A newer resilient wrote the newest step: a restore names the format and refuses, on
+    every rank, instead of restoring an older step without a word; the step is not marked
+    bad, and an older one is restored when asked for by its number."""
+    from resilient import CheckpointCorruptError
+
+    with Checkpointer(root) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((3,), float(step))})
+    path = os.path.join(root, step_dir_name(2), MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["version"] = VERSION + 1
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    back = {"w": torch.zeros(3)}
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(CheckpointCorruptError, match=rf"step-0000000002.*written by a newer resilient \(checkpoint "
+                                                         rf"format {VERSION + 1}; this one reads formats 1, 2, 3, 4\)"):
+            ckpt.restore(back)
+        assert back["w"].tolist() == [0.0] * 3
+        assert ckpt.restore(back, step=1) == 1 and back["w"].tolist() == [1.0] * 3
+    assert not os.path.exists(os.path.join(root, ".bad"))
