@@ -70,10 +70,22 @@ def is_stateful(obj: Any) -> bool:
 _UNQUOTED = re.compile(r"[A-Za-z0-9_.~-]*")
 
 
-def _child(path: str, key: Any) -> str:
-    text = str(key)
-    if not _UNQUOTED.fullmatch(text):
-        text = quote(text, safe="")
+#: each key's text in a name, kept: the same few thousand keys (parameter names, ``exp_avg``,
+#: list positions) come at every save, and a lookup is a third of matching (0.3 against
+#: 0.9 µs, ~40,000 times a save of 26,800 tensors)
+_KEY_TEXTS: dict[str | int, str] = {}
+_KEY_TEXTS_KEPT = 1 << 16
+
+
+def _child(path: str, key: str | int) -> str:
+    text = _KEY_TEXTS.get(key)
+    if text is None:
+        text = str(key)
+        if not _UNQUOTED.fullmatch(text):
+            text = quote(text, safe="")
+        if len(_KEY_TEXTS) >= _KEY_TEXTS_KEPT:
+            _KEY_TEXTS.clear()
+        _KEY_TEXTS[key] = text
     return f"{path}/{text}" if path else text
 
 
