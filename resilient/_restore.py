@@ -8,7 +8,7 @@ Two phases, so that bad input changes nothing:
    tensors, the local shard for a DTensor); it is filled from every saved box that
    intersects it, reading straight into the tensor's memory when the boxes coincide and
    only the needed byte range when the overlap is contiguous. Every chunk read is verified.
-   Then ``load_state_dict`` is called and plain values replaced.
+   Then ``load_state_dict`` is called and plain values put into the state's own dicts and lists.
 
 A checksum failure in phase 2 raises ``CheckpointCorruptError``; the caller then moves to
 an older checkpoint, which overwrites everything phase 2 touched.
@@ -348,9 +348,33 @@ class _Entry:
                 else:
                     self.inner.load_state_dict(value)
         elif isinstance(self.target, PerRank):
-            self.target.value = value
+            self.target.value = _into(self.target.value, value, set())
         else:  # tensors loaded in place come back as the same objects
-            state[self.key] = value
+            state[self.key] = _into(self.target, value, set())
+
+
+def _into(live: Any, saved: Any, filled: set[int]) -> Any:
+    """``saved``, put into ``live``'s own dicts and lists where both have one at the same
+    place (as DCP's load does); elsewhere ``saved`` itself. Why: a program holds references
+    into its state (``progress = state["progress"]``), and a restore that replaced the
+    entry with new containers left those references at their old values, without a word.
+    The result equals ``saved`` (keys it lacks are removed), in the program's containers;
+    a container met twice (one dict under two keys) is filled once, the second place
+    taking ``saved``'s own."""
+    if id(live) in filled:
+        return saved
+    if isinstance(live, dict) and type(saved) is dict:
+        filled.add(id(live))
+        for key in [k for k in live if k not in saved]:
+            del live[key]
+        for key, value in saved.items():
+            live[key] = _into(live.get(key), value, filled)
+        return live
+    if isinstance(live, list) and type(saved) is list:
+        filled.add(id(live))
+        live[:] = [_into(live[i] if i < len(live) else None, value, filled) for i, value in enumerate(saved)]
+        return live
+    return saved
 
 
 def _saved_keys(node: dict[str, Any]) -> list[Any]:

@@ -108,6 +108,29 @@ def test_an_optimizer_that_does_not_fit_the_checkpoint_is_named_and_no_older_ste
     assert torch.equal(fitting.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
 
 
+def test_plain_values_are_restored_into_the_programs_own_dicts_and_lists(root):
+    """A program holds references into its state (``progress = state["progress"]``): they see
+    the restored values, as after DCP's load. The entry was replaced by new containers, and
+    those references kept their old values without a word."""
+    saved = {"seen": 100, "history": [1, 2, {"lr": 0.5}], "nested": {"epoch": 3}}
+    one = {"k": 1}
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"progress": saved, "twice": {"a": one, "b": one}, "loader": PerRank({"pos": 7})})
+    progress = {"seen": 0, "history": [9], "nested": {"epoch": 0, "gone": True}, "extra": 1}
+    history, nested = progress["history"], progress["nested"]
+    alias = {"k": 0}
+    loader = {"pos": 0}
+    state = {"progress": progress, "twice": {"a": alias, "b": alias}, "loader": PerRank(loader)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert state["progress"] is progress and progress == saved  # the program's dict, the saved values
+    assert progress["history"] is history and history == [1, 2, {"lr": 0.5}]
+    assert progress["nested"] is nested and nested == {"epoch": 3}
+    assert loader == {"pos": 7} and state["loader"].value is loader
+    # one dict under two keys is filled once; the second place gets a dict of its own
+    assert state["twice"] == {"a": {"k": 1}, "b": {"k": 1}} and state["twice"]["a"] is alias
+
+
 def test_per_rank_entry_in_one_process(root):
     state = {"w": torch.ones(2), "loader": PerRank({"gen": torch.Generator().manual_seed(5).get_state(), "pos": 7})}
     with Checkpointer(root) as ckpt:
