@@ -15,6 +15,7 @@ Two channels, each used from one thread only:
 
 from __future__ import annotations
 
+import os
 import uuid
 from datetime import timedelta
 from typing import Any, Protocol
@@ -248,7 +249,18 @@ def _own_connection(store: dist.Store) -> dist.Store:
 
 
 def make_coordinator(group: dist.ProcessGroup | None, markers: Markers) -> Coordinator:
-    """A group coordinator when torch.distributed is initialised, else a solo one."""
+    """A group coordinator when torch.distributed is initialised, else a solo one.
+
+    Refused: a solo one in a process a launcher started as one rank of several (torchrun and
+    resilient-run set ``WORLD_SIZE``), made before ``init_process_group``. Every rank then
+    saved as if alone, into the same root, and failed on whichever rank lost the race, with
+    errors about another job holding the root or a directory that is not empty."""
     if dist.is_available() and dist.is_initialized():
         return GroupCoordinator(group, markers)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"Checkpointer made on rank {os.environ.get('RANK', '?')} of WORLD_SIZE={world} before "
+            "torch.distributed.init_process_group(): every rank would save as if alone, into the same root. "
+            "Initialise the process group first (a Checkpointer's save and restore are collective)")
     return SoloCoordinator()

@@ -205,3 +205,18 @@ def test_restoring_into_a_tensor_whose_storage_was_freed_is_refused_naming_the_k
     with Checkpointer(saved) as ckpt:
         ckpt.restore({"model": expected})
     assert torch.equal(model.weight, expected.weight)
+
+
+def test_a_checkpointer_made_before_the_process_group_under_a_launcher_is_refused(root, monkeypatch):
+    """torchrun and resilient-run set WORLD_SIZE: made before init_process_group, every rank's
+    Checkpointer saved as if alone into the same root, and one of them failed at random with
+    errors about another job holding the root or a directory that is not empty."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match=r"Checkpointer made on rank 1 of WORLD_SIZE=2 before "
+                                           r"torch.distributed.init_process_group\(\)"):
+        Checkpointer(root)
+    assert not os.path.exists(os.path.join(root, ".lock"))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: alone, as before
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)}).result()
