@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -139,6 +140,19 @@ def _retried(what: str, action: Callable[[], T], wait_s: float, transient: Calla
         delay = min(delay * 2, 10.0)
 
 
+#: a protocol name with its "://" mistyped ("s3//bucket", "s3:/bucket", "gs:bucket")
+_MISTYPED_URL = re.compile(r"(?i)(s3a?|gs|gcs|az|abfss?|adl|hdfs|https?|file|memory)(//|:/?(?!/))")
+
+
+def _refuse_a_mistyped_url(remote: str) -> None:
+    """Why: a ``remote`` that is not a URL is a local (shared) directory, so "s3//bucket/run"
+    uploaded into ./s3/bucket/run on each node's disk, without a word, and a node's loss
+    lost what the remote tier was to keep."""
+    if "://" not in remote and _MISTYPED_URL.match(remote):
+        raise ValueError(f"remote={remote!r} looks like a mistyped URL (protocol://bucket/path); a directory that "
+                         "starts so would need to be written ./" + remote)
+
+
 def _refuse_different_remotes(urls: list[object]) -> None:
     """Raise on every rank when ranks were given different remote tiers. Why: only a node's
     leader uploads, and every rank's ``flush`` waits for the commit record at its own URL, so
@@ -210,7 +224,7 @@ class Checkpointer:
         self,
         root: str | os.PathLike[str],
         *,
-        remote: str | None = None,
+        remote: str | os.PathLike[str] | None = None,
         state: Mapping[str, Any] | None = None,
         every: int | None = None,
         every_seconds: float | None = None,
@@ -234,8 +248,11 @@ class Checkpointer:
     ) -> None:
         if compress not in _CODECS:
             raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
+        remote = os.fspath(remote) if isinstance(remote, os.PathLike) else remote  # a shared directory
         if remote is not None and not isinstance(remote, str):
-            raise ValueError(f"remote must be a URL string, got {type(remote).__name__}")
+            raise ValueError(f"remote must be a URL or a directory, got {type(remote).__name__}")
+        if remote is not None:
+            _refuse_a_mistyped_url(remote)
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
         staging = staging if staging is not None else os.environ.get("RESILIENT_STAGING", "auto")
@@ -243,6 +260,8 @@ class Checkpointer:
             raise ValueError(f"staging must be one of {', '.join(STAGING_MODES)} (argument or RESILIENT_STAGING), "
                              f"got {staging!r}")
         self.staging = staging
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise ValueError(f"direct_io must be True, False or None, got {direct_io!r}")
         self.direct_io = direct_io if direct_io is not None else _env_flag("RESILIENT_DIRECT_IO", True)
         self.root = os.fspath(root)
         self.remote = remote
@@ -255,11 +274,15 @@ class Checkpointer:
                       "staging_wait_s": 0.0}  # how long optimizer steps waited for overlapped copies
         self._save_policy = save_policy(every, every_seconds)
         self._keep = retention_policy(keep)
-        self._keep_remote = retention_policy(keep_remote)
+        self._keep_remote = retention_policy(keep_remote, "keep_remote")
         self._codec = _CODECS[compress]
         self.commit_timeout = (
             commit_timeout if commit_timeout is not None else _env_float("RESILIENT_COMMIT_TIMEOUT", 600.0)
         )
+        if not isinstance(self.commit_timeout, (int, float)) or isinstance(self.commit_timeout, bool) \
+                or not self.commit_timeout > 0:
+            raise ValueError(f"commit_timeout (argument or RESILIENT_COMMIT_TIMEOUT) must be a number of seconds "
+                             f"> 0, got {self.commit_timeout!r}")
         self.flush_timeout = _env_float("RESILIENT_FLUSH_TIMEOUT", 300.0)
         self._remote: Storage | None = open_storage(remote, self.storage_options) if remote else None
 

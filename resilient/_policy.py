@@ -129,9 +129,13 @@ def save_policy(every: int | None, every_seconds: float | None) -> SavePolicy:
     return parts[0] if len(parts) == 1 else AnyOf(*parts)  # type: ignore[return-value]
 
 
-def retention_policy(keep: int | RetentionPolicy | None) -> RetentionPolicy | None:
+def retention_policy(keep: int | RetentionPolicy | None, name: str = "keep") -> RetentionPolicy | None:
+    """``keep`` as a policy; ``name`` is the argument's, for the error (``keep_remote=0``
+    was refused as ``keep``)."""
     if keep is None or isinstance(keep, RetentionPolicy):
         return keep
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"{name} must be a positive integer, a retention policy or None, got {keep!r}")
     return KeepLast(keep)
 
 

@@ -220,3 +220,25 @@ def test_a_checkpointer_made_before_the_process_group_under_a_launcher_is_refuse
     monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: alone, as before
     with Checkpointer(root) as ckpt:
         ckpt.save(1, {"w": torch.ones(2)}).result()
+
+
+def test_bad_arguments_are_refused_naming_the_argument(root, tmp_path):
+    """Each names its argument and the value given; before, commit_timeout=-1 and
+    direct_io="yes" were taken, keep_remote=0 was refused as "keep", and a mistyped URL
+    ("s3//bucket/run") was taken as a local directory: uploads went to ./s3/bucket/run on
+    each node's own disk."""
+    for kwargs, message in (({"keep_remote": 0}, "keep_remote must be a positive integer"),
+                            ({"keep": True}, "keep must be a positive integer"),
+                            ({"commit_timeout": -1}, r"commit_timeout \(argument or RESILIENT_COMMIT_TIMEOUT\) must "
+                                                     r"be a number of seconds > 0, got -1"),
+                            ({"direct_io": "yes"}, "direct_io must be True, False or None, got 'yes'"),
+                            ({"remote": "s3//bucket/run"}, r"remote='s3//bucket/run' looks like a mistyped URL"),
+                            ({"remote": "gs:bucket/run"}, r"remote='gs:bucket/run' looks like a mistyped URL")):
+        with pytest.raises(ValueError, match=message):
+            Checkpointer(root, **kwargs)
+    assert not os.path.exists("s3")
+    # a directory, as a path or a string, is a remote tier (a shared filesystem)
+    with Checkpointer(root, remote=tmp_path / "shared") as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+        ckpt.flush(timeout=60)
+    assert Checkpointer(str(tmp_path / "other"), remote=str(tmp_path / "shared")).latest() == 1
