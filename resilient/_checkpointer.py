@@ -842,8 +842,9 @@ class Checkpointer:
         """Load the newest checkpoint every rank can read and verify; return its step (0: none).
 
         Entries of ``state`` are loaded in place (``load_state_dict``, tensor copies), plain
-        values into the state's own dicts and lists (``_restore._into``). A checkpoint with a missing or corrupt file
-        is skipped with a warning naming it, and the next older one is tried.
+        values into the state's own dicts and lists (``_restore._into``). A checkpoint with a
+        missing or corrupt file is skipped with a warning naming it, and the next older one is
+        tried.
 
         ``step=N`` loads that step or raises (never another one). ``strict=False`` loads what
         the state and the checkpoint share (e.g. only the model, for evaluation): entries and

@@ -78,14 +78,17 @@ _KEY_TEXTS_KEPT = 1 << 16
 
 
 def _child(path: str, key: str | int) -> str:
-    text = _KEY_TEXTS.get(key)
+    # kept for plain str and int keys only: a str enum equals its value but is named otherwise
+    kept = type(key) is str or type(key) is int
+    text = _KEY_TEXTS.get(key) if kept else None
     if text is None:
         text = str(key)
         if not _UNQUOTED.fullmatch(text):
             text = quote(text, safe="")
-        if len(_KEY_TEXTS) >= _KEY_TEXTS_KEPT:
-            _KEY_TEXTS.clear()
-        _KEY_TEXTS[key] = text
+        if kept:
+            if len(_KEY_TEXTS) >= _KEY_TEXTS_KEPT:
+                _KEY_TEXTS.clear()
+            _KEY_TEXTS[key] = text
     return f"{path}/{text}" if path else text
 
 

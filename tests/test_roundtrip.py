@@ -261,3 +261,19 @@ def test_abandoned_pending_saves_are_cleaned_before_the_next_job_writes(root):
         assert os.path.exists(junk)
         ckpt.save(2, {"x": torch.ones(2)})  # writing claims the root, then cleans it
         assert not os.path.exists(junk)
+
+
+def test_a_keys_name_does_not_depend_on_the_keys_named_before_it():
+    """Key texts are kept from save to save (``_tree._child``): a str enum equals its value
+    but is named otherwise, and must be named the same whichever came first."""
+    import enum
+
+    from resilient._tree import flatten_state
+
+    class Part(str, enum.Enum):
+        HEAD = "head"
+
+    one, two = torch.ones(1), torch.zeros(1)
+    first = sorted(flatten_state({"x": {Part.HEAD: one}, "y": {"head": two}}).tensors)
+    second = sorted(flatten_state({"y": {"head": two}, "x": {Part.HEAD: one}}).tensors)
+    assert first == second == ["x/Part.HEAD", "y/head"]
