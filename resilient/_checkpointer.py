@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import threading
@@ -34,7 +33,7 @@ from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng, parse_rng
 from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
-from ._storage import LocalStorage, Storage, missing_bucket, open_storage
+from ._storage import LocalStorage, Storage, missing_bucket, open_storage, refuse_a_mistyped_url
 from ._transfer import ProgressLog, copy_step, missing_files
 from ._tree import Flattened, flatten_state
 from ._uploader import Holdings, Uploader, files_held
@@ -140,19 +139,6 @@ def _retried(what: str, action: Callable[[], T], wait_s: float, transient: Calla
         delay = min(delay * 2, 10.0)
 
 
-#: a protocol name with its "://" mistyped ("s3//bucket", "s3:/bucket", "gs:bucket")
-_MISTYPED_URL = re.compile(r"(?i)(s3a?|gs|gcs|az|abfss?|adl|hdfs|https?|file|memory)(//|:/?(?!/))")
-
-
-def _refuse_a_mistyped_url(remote: str) -> None:
-    """Why: a ``remote`` that is not a URL is a local (shared) directory, so "s3//bucket/run"
-    uploaded into ./s3/bucket/run on each node's disk, without a word, and a node's loss
-    lost what the remote tier was to keep."""
-    if "://" not in remote and _MISTYPED_URL.match(remote):
-        raise ValueError(f"remote={remote!r} looks like a mistyped URL (protocol://bucket/path); a directory that "
-                         "starts so would need to be written ./" + remote)
-
-
 def _refuse_different_remotes(urls: list[object]) -> None:
     """Raise on every rank when ranks were given different remote tiers. Why: only a node's
     leader uploads, and every rank's ``flush`` waits for the commit record at its own URL, so
@@ -252,7 +238,7 @@ class Checkpointer:
         if remote is not None and not isinstance(remote, str):
             raise ValueError(f"remote must be a URL or a directory, got {type(remote).__name__}")
         if remote is not None:
-            _refuse_a_mistyped_url(remote)
+            refuse_a_mistyped_url(remote)
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
         staging = staging if staging is not None else os.environ.get("RESILIENT_STAGING", "auto")

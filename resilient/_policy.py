@@ -78,8 +78,8 @@ class KeepLast:
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"keep must be a positive integer or None, got {self.n!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"keep must be a positive integer, a retention policy or None, got {self.n!r}")
 
     def keep(self, steps: Sequence[int]) -> set[int]:
         return set(sorted(steps)[-self.n :])
@@ -134,9 +134,10 @@ def retention_policy(keep: int | RetentionPolicy | None, name: str = "keep") -> 
     was refused as ``keep``)."""
     if keep is None or isinstance(keep, RetentionPolicy):
         return keep
-    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
-        raise ValueError(f"{name} must be a positive integer, a retention policy or None, got {keep!r}")
-    return KeepLast(keep)
+    try:
+        return KeepLast(keep)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("keep", name, 1)) from None
 
 
 def to_delete(policy: RetentionPolicy | None, steps: Sequence[int], protect: Collection[int] = ()) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import socket
 from contextlib import contextmanager
@@ -18,7 +19,8 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol
 
 from ._errors import StorageError
 
-__all__ = ["Storage", "LocalStorage", "FsspecStorage", "missing_bucket", "open_storage", "is_remote"]
+__all__ = ["Storage", "LocalStorage", "FsspecStorage", "missing_bucket", "open_storage", "is_remote",
+           "refuse_a_mistyped_url"]
 
 # protocol -> the extra that installs its fsspec implementation
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
@@ -52,6 +54,20 @@ class Storage(Protocol):
 
 def is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
+
+
+#: a protocol's name with its "://" mistyped ("s3//bucket", "s3:/bucket", "gs:bucket")
+_MISTYPED_URL = re.compile(r"(?i)(%s)(//|:/?(?!/))" % "|".join(
+    sorted({*_EXTRAS, "abfss", "adl", "hdfs", "http", "https", "file", "memory"}, key=len, reverse=True)))
+
+
+def refuse_a_mistyped_url(url: str) -> None:
+    """Why: a location that is not a URL is a local (shared) directory, so "s3//bucket/run"
+    as a remote tier uploaded into ./s3/bucket/run on each node's own disk, without a word,
+    and a node's loss lost what the remote tier was to keep."""
+    if "://" not in url and _MISTYPED_URL.match(url):
+        raise ValueError(f"remote={url!r} looks like a mistyped URL (protocol://bucket/path); a directory that "
+                         "starts so would need to be written ./" + url)
 
 
 class LocalStorage:
