@@ -493,7 +493,7 @@ class Checkpointer:
         or the steps a rollback (``restore(step=...)``) abandoned. The newest step wins every
         restore, so a restart would silently resume from those, and retention, which keeps
         the newest, deletes this run's saves first."""
-        newer = [s for s in self._tier.committed_steps() if s > step]
+        newer = self._tier.committed_steps(after=step)  # in the first save's stall: one listing, as a rule
         if not newer:
             return
         restored = self._restored_step

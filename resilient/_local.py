@@ -178,19 +178,19 @@ class LocalTier:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root, step_dir_name(step))
 
-    def committed_steps(self) -> list[int]:
-        """Steps whose directory holds a manifest, ascending."""
+    def committed_steps(self, after: int = -1) -> list[int]:
+        """Steps whose directory holds a manifest, ascending; only those above ``after``
+        (whose directories alone are then looked into: one listing when there are none)."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        steps = []
+        found = [(step, name) for name in names if (step := parse_step_dir(name)) is not None and step > after]
+        if not found:
+            return []
         bad = self.markers.bad_steps()
-        for name in names:
-            step = parse_step_dir(name)
-            if step is not None and step not in bad and os.path.exists(os.path.join(self.root, name, MANIFEST)):
-                steps.append(step)
-        return sorted(steps)
+        return sorted(step for step, name in found
+                      if step not in bad and os.path.exists(os.path.join(self.root, name, MANIFEST)))
 
     def read_manifest(self, step: int) -> dict:
         path = os.path.join(self.step_dir(step), MANIFEST)
