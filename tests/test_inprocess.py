@@ -150,6 +150,9 @@ def test_raise_recovers_in_process_at_the_same_world_size_under_c10d(cluster, re
     assert len(same_processes(events)) == 2, "a process was restarted"
     restarts = [e for e in events if e["event"] == "start" and e["restored"] == 10]
     assert sorted(e["world"] for e in restarts) == [2, 2], restarts
+    # without etcd or a job secret, the secret went through the rendezvous store: said once
+    for node in (a, b):
+        assert node.log().count("no authenticated way to share its secret") == 1, node.log()[-3000:]
 
 
 def test_hung_rank_is_interrupted_and_recovers_in_process(cluster, reference):
