@@ -18,7 +18,7 @@ from ._chunkio import decode_chunk
 from ._errors import CheckpointCorruptError
 from ._format import BAD_DIR, MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
 from ._layout import Box
-from ._storage import LocalStorage, Storage
+from ._storage import LocalStorage, Storage, the_missing_bucket
 
 if TYPE_CHECKING:
     import torch
@@ -69,8 +69,9 @@ class Catalog:
         """Every step directory, committed or not, ascending."""
         try:
             names = self.storage.list("")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{self.storage.url}: no such checkpoint root") from None
+        except FileNotFoundError as exc:
+            why = the_missing_bucket(self.storage, exc) or "no such checkpoint root"
+            raise FileNotFoundError(f"{self.storage.url}: {why}") from None
         return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
 
     def is_committed(self, step: int) -> bool:

@@ -257,6 +257,15 @@ def _names_a_missing_bucket(exc: BaseException) -> bool:
     return False
 
 
+def the_missing_bucket(storage: Storage, exc: BaseException) -> str | None:
+    """What ``exc``, a listing's ``FileNotFoundError``, means when the store said the bucket
+    itself does not exist (not just the prefix under it); None otherwise."""
+    if not isinstance(storage, FsspecStorage) or not _names_a_missing_bucket(exc):
+        return None
+    bucket = storage._base.split("/", 1)[0]
+    return f"the bucket {bucket!r} does not exist"
+
+
 def missing_bucket(storage: Storage) -> str | None:
     """Why ``storage`` cannot be a remote tier, when its bucket does not exist; None when it
     does, or when the store gave no answer (an unreachable store is retried where it is used).
@@ -269,9 +278,9 @@ def missing_bucket(storage: Storage) -> str | None:
     try:
         storage.fs.ls(storage._p(""), detail=False, refresh=True)
     except FileNotFoundError as exc:
-        if _names_a_missing_bucket(exc):
-            bucket = storage._base.split("/", 1)[0]
-            return f"remote tier {storage.url}: the bucket {bucket!r} does not exist (create it, or correct remote=)"
+        missing = the_missing_bucket(storage, exc)
+        if missing:
+            return f"remote tier {storage.url}: {missing} (create it, or correct remote=)"
     except Exception:  # noqa: BLE001 - unreachable, throttled, refused: not this question's answer
         return None
     return None

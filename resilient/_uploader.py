@@ -212,7 +212,7 @@ class Uploader:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(
-                        f"upload to {self.remote.storage.url} not finished after {timeout} s: "
+                        f"upload to {self.remote.storage.url} not finished after {timeout:.1f} s: "
                         f"steps {self._queue or 'being listed'} still pending"
                         + (f" (last error: {self.last_error})" if self.last_error else "")
                     )

@@ -284,6 +284,22 @@ def test_push_pull_and_every_command_on_s3(capsys, local_root, tmp_path, s3_serv
     assert code == 1 and "step 7" in err
 
 
+def test_a_store_that_refuses_is_a_one_line_error_naming_the_url_and_the_bucket(capsys, s3_server, tmp_path):
+    opts = s3_server["options"]
+    code, _, err = run(capsys, "ls", "s3://no-such-bucket-here/run", "--storage-options", json.dumps(opts))
+    assert code == 1 and err.count("\n") == 1 and "the bucket 'no-such-bucket-here' does not exist" in err, err
+    # no credentials anywhere (botocore's NoCredentialsError is no OSError): an error about
+    # that store, not a traceback
+    anonymous = {k: v for k, v in opts.items() if k not in ("key", "secret")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "resilient.ckpt", "ls", f"s3://{s3_server['bucket']}/run",
+                           "--storage-options", json.dumps(anonymous)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"resilient-ckpt: error: s3://{s3_server['bucket']}/run: NoCredentialsError"), \
+        proc.stderr
+
+
 def test_inspecting_commands_do_not_import_torch(local_root, tmp_path):
     """ls, show, verify, timeline, push and prune read JSON and checksums only: the command
     starts in a fraction of a second instead of paying torch's import (2 s of CPU here).

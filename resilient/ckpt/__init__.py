@@ -395,6 +395,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # an object store's client raises its own types (botocore's NoCredentialsError,
+        # EndpointConnectionError, ...), which share no base with OSError: said as an error
+        # about that store, not as a traceback. Anything else is a bug and keeps its traceback.
+        remote = next((url for url in _urls_of(args) if is_remote(url)), None)
+        if remote is None:
+            raise
+        print(f"{PROG}: error: {remote}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _urls_of(args: argparse.Namespace) -> list[str]:
+    """The roots and URLs a command was given, in the order given."""
+    return [getattr(args, name) for name in ("root", "url") if isinstance(getattr(args, name, None), str)]
 
 
 def entry() -> None:
