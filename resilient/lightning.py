@@ -1,4 +1,5 @@
-"""PyTorch Lightning integration: ``Trainer(plugins=[ResilientCheckpointIO()])``.
+"""PyTorch Lightning integration: ``Trainer(plugins=[ResilientCheckpointIO()])``, with
+``pytorch_lightning`` or with ``lightning`` (``import lightning as L``) alike.
 
 Lightning decides when to checkpoint and which files to keep (``ModelCheckpoint``); this
 plugin decides how a checkpoint is written and read. Each path Lightning names becomes a
@@ -22,13 +23,14 @@ in ``hyper_parameters``) are stored as their ``repr`` with a warning naming the 
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
 import os
 import shutil
 from typing import Any, Mapping
 
 import torch
-from pytorch_lightning.plugins.io import CheckpointIO
 
 from ._catalog import Catalog
 from ._checkpointer import Checkpointer
@@ -57,7 +59,23 @@ def _storable(value: Any, path: str, replaced: list[str]) -> Any:
     return repr(value)
 
 
-class ResilientCheckpointIO(CheckpointIO):
+def _checkpoint_io_bases() -> tuple[type, ...]:
+    """Every installed Lightning's ``CheckpointIO``.
+
+    Why: Lightning ships as ``pytorch_lightning`` and as ``lightning`` (``lightning.pytorch``),
+    each with a class of its own, and a Trainer refuses a plugin not derived from its own
+    ("Found invalid type for plugin"). Derived from both, one class serves either Trainer,
+    whichever the program imports and in whatever order."""
+    bases = [importlib.import_module(f"{package}.plugins.io").CheckpointIO
+             for package in ("pytorch_lightning", "lightning.pytorch")
+             if importlib.util.find_spec(package) is not None]
+    if not bases:
+        raise ImportError("resilient.lightning needs Lightning: pip install 'resilient[lightning]' "
+                          "(pytorch-lightning), or lightning")
+    return tuple(dict.fromkeys(bases))
+
+
+class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
     """A Lightning ``CheckpointIO`` writing resilient checkpoints.
 
     Args:

@@ -83,3 +83,51 @@ def test_plugin_drains_to_an_object_store(tmp_path, s3_server):
     with Checkpointer(str(tmp_path / "from-remote"), remote=f"{remote}/last.ckpt",
                       storage_options=s3_server["options"]) as ckpt:
         assert ckpt.latest() == 1
+
+
+def test_the_plugin_serves_a_trainer_of_the_lightning_package_too(tmp_path):
+    """``import lightning as L`` ships its own CheckpointIO class, and its Trainer refuses a
+    plugin not derived from it: the same plugin saves under that Trainer, and a second
+    Trainer resumes from its last.ckpt (``ckpt_path="last"``) with the weights it saved."""
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from resilient.lightning import ResilientCheckpointIO
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def trainer(epochs: int):
+        return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[ResilientCheckpointIO()],
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+
+    first = Tiny()
+    trainer(2).fit(first, loader)
+    assert os.path.isdir(tmp_path / "last.ckpt")  # a resilient root, not a pickle
+    saved = {k: v.clone() for k, v in first.state_dict().items()}
+    second, restored = Tiny(), {}
+
+    class Spy(L.Callback):
+        def on_train_start(self, trainer, module):  # after the restore, before any step
+            restored.update({k: v.clone() for k, v in module.state_dict().items()} | {"step": trainer.global_step})
+
+    resumed = trainer(3)
+    resumed.callbacks.append(Spy())
+    resumed.fit(second, loader, ckpt_path="last")
+    assert restored.pop("step") == 8 and resumed.global_step == 12
+    assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
+    # one class serves both packages' Trainers
+    assert isinstance(ResilientCheckpointIO(), pl.plugins.io.CheckpointIO)
