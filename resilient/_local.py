@@ -33,6 +33,7 @@ from ._chunkio import fsync_dir
 from ._errors import StorageError
 from ._format import MANIFEST, decode_manifest, parse_data_file, parse_step_dir, step_dir_name
 from ._storage import LocalStorage
+from ._units import human_bytes
 
 __all__ = ["LocalTier"]
 
@@ -192,6 +193,25 @@ class LocalTier:
         return sorted(step for step, name in found
                       if step not in bad and os.path.exists(os.path.join(self.root, name, MANIFEST)))
 
+    def no_space(self, exc: OSError, needed: int, pending: str) -> str:
+        """Why a save ran out of room, in terms of what to change. Why: the error the file
+        system gives (``[Errno 28] No space left on device``) names neither the disk nor
+        what holds it, and the answer is rarely "a bigger disk": a step is replaced only
+        once its successor is committed, so the tier holds ``keep`` + 1 checkpoints at its
+        peak."""
+        usage = shutil.disk_usage(self.root)
+        free = usage.free + _bytes_under(pending)  # the failed save's partial file is discarded
+        steps = self.committed_steps()
+        held = sum(_bytes_under(self.step_dir(step)) for step in steps)
+        recycled = _bytes_under(os.path.join(self.root, _RECYCLE))
+        return (f"{type(exc).__name__}: {exc}, on the local tier {self.root}: this rank's file needs "
+                f"{human_bytes(needed)}, the file system has {human_bytes(free)} free of {human_bytes(usage.total)}; "
+                "the tier holds "
+                f"{len(steps)} committed checkpoint(s) ({human_bytes(held)})"
+                + (f" and {human_bytes(recycled)} of files kept to be overwritten" if recycled else "")
+                + ". A checkpoint is replaced only once the next one is committed, so the disk needs room for "
+                  "keep + 1 of them: free space there, lower keep=, or use a larger disk")
+
     def read_manifest(self, step: int) -> dict:
         path = os.path.join(self.step_dir(step), MANIFEST)
         with open(path, "rb") as f:
@@ -306,6 +326,15 @@ class _TrashCollector:
         with self._lock:
             last = self._last
         return last is None or not wait([last], timeout).not_done
+
+
+def _bytes_under(path: str) -> int:
+    """What the files directly in ``path`` hold (0 if it is gone)."""
+    try:
+        with os.scandir(path) as entries:
+            return sum(e.stat().st_size for e in entries if e.is_file(follow_symlinks=False))
+    except FileNotFoundError:
+        return 0
 
 
 def _remove(path: str) -> None:

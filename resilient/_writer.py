@@ -16,6 +16,7 @@ save uncommitted: the previous checkpoint stays the newest.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -43,6 +44,9 @@ from ._snapshot import RankPlan
 __all__ = ["SaveHandle", "SaveJob", "BackgroundWriter"]
 
 log = logging.getLogger("resilient")
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or this user's quota on it
 
 
 class SaveHandle:
@@ -224,7 +228,9 @@ class BackgroundWriter:
             if self.written is not None:
                 self.written(job.step, None if report["file"] is None else os.path.join(pending, report["file"]))
         except Exception as exc:
-            report = {"rank": self.coord.rank, "error": f"{type(exc).__name__}: {exc}"}
+            why = (self.tier.no_space(exc, job.plan.nbytes, pending) if isinstance(exc, OSError) and exc.errno in _NO_SPACE
+                   else f"{type(exc).__name__}: {exc}")
+            report = {"rank": self.coord.rank, "error": why}
 
         def commit(manifest: bytes) -> None:
             if self.authorize is not None:

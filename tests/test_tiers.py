@@ -5,6 +5,7 @@ import logging
 import os
 import shutil
 import random
+import re
 import time
 import uuid
 
@@ -374,8 +375,14 @@ def test_full_local_disk_fails_that_save_cleanly_and_training_goes_on(tiny_disk,
         ckpt.save(1, small)
         ckpt.wait()
         ckpt.save(2, big)  # does not fit
-        with pytest.raises(CommitError, match="No space left"):
+        with pytest.raises(CommitError, match="No space left") as failed:
             ckpt.wait()
+        # which disk, what the save needed, what is free and what holds the rest
+        said = str(failed.value)
+        assert f"on the local tier {tiny_disk}: this rank's file needs 4.0 MiB" in said, said
+        assert re.search(r"has 2\.\d MiB free of 3\.0 MiB; the tier holds 1 committed checkpoint\(s\) \(2\d\d\.\d KiB\)",
+                         said), said
+        assert "room for keep + 1 of them" in said, said
         ckpt.save(3, small)  # training and saving go on
         ckpt.wait()
         assert ckpt.latest() == 3 and ckpt.stats["saves_failed"] == 1 and ckpt.stats["saves_committed"] == 2

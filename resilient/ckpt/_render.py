@@ -7,15 +7,9 @@ import sys
 import time
 from typing import Sequence, TextIO
 
+from .._units import human_bytes
+
 _COLOURS = {"committed": "32", "partial": "33", "corrupt": "31", "added": "32", "removed": "31", "changed": "33"}
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def human_age(created: float | None, now: float | None = None) -> str:
