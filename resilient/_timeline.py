@@ -18,9 +18,10 @@ beyond a step's own time.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 @dataclass
@@ -57,19 +58,62 @@ class Timeline:
         return self.useful_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every well-formed line of a JSON-lines event log (a torn last line is skipped)."""
+def read_events(path: str | os.PathLike[str], skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """Every well-formed event of a JSON-lines event log, in time order; the numbers of the
+    lines that are not one go into ``skipped`` (a torn last line, from a process killed
+    while writing it, is one of them).
+
+    Why each field is checked: the log is appended to by every process of a run (and may
+    be concatenated from several nodes' logs), and one line of another shape, a ``t`` that
+    is text say, made the whole timeline fail with a TypeError."""
     events = []
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
                 event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and "t" in event and "event" in event:
+            except (ValueError, RecursionError):
+                event = None
+            if _well_formed(event):
                 events.append(event)
+            elif skipped is not None and line.strip():
+                skipped.append(number)
     events.sort(key=lambda e: e["t"])
     return events
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: the fields each kind of event is read for, beyond ``event`` and ``t``: (name, check, required)
+_FIELDS: dict[str, tuple[tuple[str, Callable[[Any], bool], bool], ...]] = {
+    "step": (("step", _is_int, True),),
+    "restored": (("step", _is_int, True), ("source", lambda v: v is None or isinstance(v, str), False)),
+    "round_formed": (("round", _is_int, True), ("nodes", _is_int, True)),
+    "membership_change": (("detail", lambda v: v is None or isinstance(v, str), False),),
+    "workers_restarted": (("reason", lambda v: isinstance(v, str), True),),
+    "fault": (("kind", lambda v: isinstance(v, str), True), ("target", lambda v: v is None or isinstance(v, str), False)),
+    "hang_detected": (("rank", _is_int, True), ("idle_s", _is_number, True), ("limit_s", _is_number, True)),
+    "failure_detected": (("rank", _is_int, True), ("detail", lambda v: isinstance(v, str), True)),
+    "regrouped": (("gen", _is_int, True), ("world_size", _is_int, True), ("seconds", _is_number, True)),
+    "save_failed": (("step", _is_int, True), ("error", lambda v: isinstance(v, str), False)),
+}
+_COMMON = (("rank", _is_int, False), ("pid", _is_int, False), ("gen", _is_int, False))  # agents' rank: -1
+
+
+def _well_formed(event: Any) -> bool:
+    """An object with a text ``event``, a finite number ``t``, and, for the kinds of event a
+    timeline reads, the fields it reads, each of the type it reads them as."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str) or not _is_number(event.get("t")):
+        return False
+    for name, check, required in _COMMON + _FIELDS.get(event["event"], ()):
+        if name in event and not check(event[name]) or required and name not in event:
+            return False
+    return True
 
 
 _NOTES = {"membership_change", "round_formed", "workers_restarted", "save_failed", "fault", "hang_detected",
@@ -162,7 +206,7 @@ _NOTE_TEXT = {
     "round_formed": lambda n: f"round {n['round']} formed: {n['nodes']} node(s) {_agent(n)}",
     "membership_change": lambda n: f"detected: {n.get('detail') or n.get('cause')} {_agent(n)}",
     "workers_restarted": lambda n: f"workers restarted ({n['reason']}) {_agent(n)}",
-    "fault": lambda n: f"FAULT: {n['kind']} " + (n.get("target") or f"rank {n['rank']} at step {n.get('step')}"),
+    "fault": lambda n: f"FAULT: {n['kind']} " + (n.get("target") or f"rank {n.get('rank')} at step {n.get('step')}"),
     "hang_detected": lambda n: f"rank {n['rank']} hung: no step for {n['idle_s']:.1f} s (limit {n['limit_s']:.1f} s)",
     "failure_detected": lambda n: f"rank {n['rank']} detected a failure: {n['detail'][:100]}",
     "regrouped": lambda n: f"re-formed in-process: generation {n['gen']}, world size {n['world_size']} "

@@ -117,7 +117,8 @@ def test_metrics_and_timeline_show_the_fault_the_new_round_and_the_restore(clust
     assert f"restored step {resumed['restored']}" in text and "recovery: after step" in text
 
 
-def test_goodput_counts_only_kept_steps():
+def _two_incarnations() -> list[dict]:
+    """Steps 1..10, a lost node, a restore of step 6 and steps 7..12 again, 1 s a step."""
     def ev(t, event, pid, **f):
         return {"t": t, "event": event, "rank": 0, "pid": pid, **f}
 
@@ -126,7 +127,11 @@ def test_goodput_counts_only_kept_steps():
     events += [{"t": 12.0, "event": "membership_change", "rank": -1, "pid": 9, "cause": "lost", "detail": "lost x"}]
     events += [ev(14.0, "restored", 2, step=6, source="local")]                # 7..10 lost
     events += [ev(14.0 + s - 6, "step", 2, step=s) for s in range(7, 13)]      # 7..12 again, 1 s each
-    timeline = _timeline.build(events)
+    return events
+
+
+def test_goodput_counts_only_kept_steps():
+    timeline = _timeline.build(_two_incarnations())
     assert timeline.redone_steps == 4
     assert timeline.useful_s == pytest.approx(6 + 6)                           # 1..6 from the first, 7..12
     assert timeline.wall_s == pytest.approx(20)
@@ -141,3 +146,27 @@ def test_timeline_of_an_empty_or_missing_log_is_a_clear_error(tmp_path):
         out = subprocess.run([sys.executable, "-m", "resilient.ckpt", "timeline", str(path)],
                              capture_output=True, text=True, timeout=60, cwd=REPO)
         assert out.returncode == 1 and str(path) in out.stderr and "Traceback" not in out.stderr
+
+
+def test_lines_of_another_shape_in_the_log_are_skipped_and_named(tmp_path):
+    """The log is appended to by every process of a run (or concatenated from several
+    nodes): a line of another shape is skipped, named in a warning, and the timeline is the
+    one the well-formed lines tell (one such line, a ``t`` that is text, made it fail)."""
+    events = _two_incarnations()
+    strays = ['{"t": "12:00", "event": "step", "rank": 0, "pid": 1, "step": 11}',  # t as text
+              '{"t": 3.5, "event": "step", "rank": 0, "pid": 1, "step": "4"}',      # step as text
+              '[1, 2]', 'null', '{"t": 1e999, "event": "x"}', '{"t": 4.5, "event": "regrouped", "gen": 1}',
+              '{"t": 4.6, "event": "restored", "rank": 0, "pid": [1], "step": 0}']
+    lines = [json.dumps(e) for e in events]
+    for i, stray in enumerate(strays):
+        lines.insert(2 + 2 * i, stray)
+    (tmp_path / "clean.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + '\n{"t": 30.0, "event": "st')  # a torn last line
+    runs = {name: subprocess.run([sys.executable, "-m", "resilient.ckpt", "timeline", str(tmp_path / name), "--json"],
+                                 capture_output=True, text=True, timeout=60, cwd=REPO)
+            for name in ("clean.jsonl", "mixed.jsonl")}
+    assert all(r.returncode == 0 for r in runs.values()), runs["mixed.jsonl"].stderr[-3000:]
+    assert json.loads(runs["mixed.jsonl"].stdout) == json.loads(runs["clean.jsonl"].stdout)
+    assert json.loads(runs["clean.jsonl"].stdout)["redone_steps"] == 4 and runs["clean.jsonl"].stderr == ""
+    warning = runs["mixed.jsonl"].stderr
+    assert "skipped 8 line(s)" in warning and "(line 3, 5, 7, 9, 11, ...)" in warning, warning

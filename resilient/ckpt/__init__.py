@@ -295,7 +295,11 @@ def cmd_push(a: argparse.Namespace) -> int:
 def cmd_timeline(a: argparse.Namespace) -> int:
     from .. import _timeline
 
-    events = _timeline.read_events(a.log)
+    skipped: list[int] = []
+    events = _timeline.read_events(a.log, skipped)
+    if skipped:
+        print(f"{PROG}: warning: {a.log}: skipped {len(skipped)} line(s) that are not events of the expected "
+              f"shape (line {', '.join(map(str, skipped[:5]))}{', ...' if len(skipped) > 5 else ''})", file=sys.stderr)
     if not events:
         raise Problem(f"{a.log}: no events (is RESILIENT_EVENT_LOG / events= pointing here?)")
     timeline = _timeline.build(events)
