@@ -437,6 +437,8 @@ class Checkpointer:
             self._order_checked = True
             if self._coord.rank == 0:
                 self._warn_if_newer(step)
+        elif self._last_saved_step is not None and step < self._last_saved_step and self._coord.rank == 0:
+            self._warn_backwards(step, self._last_saved_step)
         # under @resilient.elastic, a process waiting to join: every rank agrees (at a save
         # that is due anyway, so steps pay nothing) to commit this step and re-form
         joining = self._join_pending is not None and bool(self._coord.agree_max(int(self._join_pending())))
@@ -486,6 +488,17 @@ class Checkpointer:
             self.wait()
             raise GangChange(f"a process joins the gang: step {step} is committed, re-forming")
         return handle
+
+    def _warn_backwards(self, step: int, last: int) -> None:
+        """Say so when a save's step is lower than the one this Checkpointer saved before it
+        (with no restore between): most often the batch index of an epoch passed where the
+        global step belongs, which restarts at every epoch. Each step then overwrites the
+        previous epoch's checkpoint of that number; retention, which keeps the newest, deletes
+        the new saves first, and a restart resumes from the highest step, an older epoch's."""
+        log.warning("resilient: save(step=%d) after this Checkpointer saved step %d: a run's steps must grow "
+                    "(pass the global step, not the batch index within an epoch). Checkpoints are ordered by step: "
+                    "a restart resumes from the highest one, step %d, not from this save, and retention deletes "
+                    "this save first", step, last, last)
 
     def _warn_if_newer(self, step: int) -> None:
         """Say so when the first save of this Checkpointer is older than checkpoints already

@@ -220,6 +220,27 @@ def test_a_step_saved_again_is_skipped_unless_forced(root, caplog, monkeypatch):
         assert ckpt.latest() == 40
 
 
+def test_a_step_lower_than_the_last_save_is_said_once_per_jump(root, caplog):
+    """The batch index of an epoch passed as the step restarts at every epoch: each save
+    then overwrites the previous epoch's checkpoint of that number and retention deletes the
+    new ones first, without a word. Said at each jump back, and not after a restore (a
+    rollback, which the first save's check covers) nor when steps grow."""
+    state = {"x": torch.zeros(3)}
+    with Checkpointer(root, every=25, keep=2) as ckpt:
+        for epoch in range(3):
+            for batch in range(1, 101):
+                ckpt.save(batch, state)
+        jumps = [r.getMessage() for r in caplog.records if "a run's steps must grow" in r.getMessage()]
+        assert len(jumps) == 2 and jumps[0].startswith("resilient: save(step=25) after this Checkpointer saved "
+                                                       "step 100"), jumps
+        assert "pass the global step, not the batch index within an epoch" in jumps[0]
+        caplog.clear()
+        ckpt.restore(state, step=75)  # a rollback: the first save's check speaks instead
+        ckpt.save(80, state, force=True)
+        ckpt.wait()
+    assert "a run's steps must grow" not in caplog.text and "holds newer checkpoints (steps 100)" in caplog.text
+
+
 def test_host_memory_does_not_grow_across_saves(root):
     state = {"big": torch.randn(16 << 20 // 4)}  # 16 MiB
     proc = psutil.Process()
