@@ -33,7 +33,8 @@ from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng, parse_rng
 from ._snapshot import RankPlan, Staging, describe, layout_key, plan_rank
-from ._storage import LocalStorage, Storage, missing_bucket, open_storage, refuse_a_mistyped_url
+from ._storage import (LocalStorage, Storage, missing_bucket, open_storage, refuse_a_mistyped_url,
+                       refuse_a_root_that_is_no_directory)
 from ._transfer import ProgressLog, copy_step, missing_files
 from ._tree import Flattened, flatten_state
 from ._uploader import Holdings, Uploader, files_held
@@ -250,6 +251,9 @@ class Checkpointer:
             raise ValueError(f"direct_io must be True, False or None, got {direct_io!r}")
         self.direct_io = direct_io if direct_io is not None else _env_flag("RESILIENT_DIRECT_IO", True)
         self.root = os.fspath(root)
+        if not isinstance(self.root, str):
+            raise ValueError(f"root must be a directory path, got {type(root).__name__}")
+        refuse_a_root_that_is_no_directory(self.root)
         self.remote = remote
         self.storage_options = dict(storage_options or {})
         self.state = state

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol
 from ._errors import StorageError
 
 __all__ = ["Storage", "LocalStorage", "FsspecStorage", "missing_bucket", "open_storage", "is_remote",
-           "refuse_a_mistyped_url"]
+           "refuse_a_mistyped_url", "refuse_a_root_that_is_no_directory"]
 
 # protocol -> the extra that installs its fsspec implementation
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}
@@ -61,13 +61,27 @@ _MISTYPED_URL = re.compile(r"(?i)(%s)(//|:/?(?!/))" % "|".join(
     sorted({*_EXTRAS, "abfss", "adl", "hdfs", "http", "https", "file", "memory"}, key=len, reverse=True)))
 
 
-def refuse_a_mistyped_url(url: str) -> None:
+def refuse_a_mistyped_url(url: str, name: str = "remote") -> None:
     """Why: a location that is not a URL is a local (shared) directory, so "s3//bucket/run"
     as a remote tier uploaded into ./s3/bucket/run on each node's own disk, without a word,
     and a node's loss lost what the remote tier was to keep."""
     if "://" not in url and _MISTYPED_URL.match(url):
-        raise ValueError(f"remote={url!r} looks like a mistyped URL (protocol://bucket/path); a directory that "
+        raise ValueError(f"{name}={url!r} looks like a mistyped URL (protocol://bucket/path); a directory that "
                          "starts so would need to be written ./" + url)
+
+
+def refuse_a_root_that_is_no_directory(root: str) -> None:
+    """The local tier's root must name a directory. Why: "" (an unset environment variable)
+    saved into the working directory, and a URL ("s3://bucket/run", where DCP takes one)
+    into ./s3:/bucket/run on the node's own disk, both without a word; the object store
+    belongs in ``remote=``, behind the node's disk."""
+    if not root.strip():
+        raise ValueError(f"root must name a directory on the node's disk, got {root!r}")
+    if "://" in root:
+        raise ValueError(f"root={root!r} is a URL: root is a directory on the node's own (fast) disk, and an "
+                         f"object store or shared directory goes behind it as remote=, e.g. "
+                         f"Checkpointer('/nvme/run', remote={root!r})")
+    refuse_a_mistyped_url(root, "root")
 
 
 class LocalStorage:

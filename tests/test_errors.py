@@ -237,6 +237,14 @@ def test_bad_arguments_are_refused_naming_the_argument(root, tmp_path):
         with pytest.raises(ValueError, match=message):
             Checkpointer(root, **kwargs)
     assert not os.path.exists("s3")
+    # root is the node's own disk: "" (an unset variable) saved into the working directory,
+    # and a URL into ./s3:/bucket/run, both without a word
+    for bad, message in (("", "root must name a directory on the node's disk, got ''"),
+                         ("s3://bucket/run", r"root='s3://bucket/run' is a URL: .* remote='s3://bucket/run'"),
+                         ("s3//bucket/run", r"root='s3//bucket/run' looks like a mistyped URL")):
+        with pytest.raises(ValueError, match=message):
+            Checkpointer(bad, state={"w": torch.ones(2)})
+    assert not os.path.exists("s3:") and not os.path.exists(".lock")
     # a directory, as a path or a string, is a remote tier (a shared filesystem)
     with Checkpointer(root, remote=tmp_path / "shared") as ckpt:
         ckpt.save(1, {"w": torch.ones(2)})
