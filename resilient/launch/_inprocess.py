@@ -72,19 +72,6 @@ def _standby_of(round_store: Store, wait_s: float = STANDBY_WAIT_S) -> str:
         return ""
 
 
-_said_unguarded = False
-
-
-def _say_unguarded() -> None:
-    """Once per agent: the trust an in-process recovery without etcd or a job secret leaves."""
-    global _said_unguarded
-    if not _said_unguarded:
-        _said_unguarded = True
-        log.warning("in-process recovery: no authenticated way to share its secret (use --rdzv-backend=%s "
-                    "or set %s); it goes through the rendezvous store, readable by whoever reaches it",
-                    "etcd-v3", JOB_SECRET_ENV)
-
-
 class _Channel:
     """One regroup store as this agent sees it: the monitor loop's client, and a thread that
     heartbeats for the node there with a client of its own (a store client is not shared
@@ -128,7 +115,7 @@ class InProcessRecovery:
     def __init__(self, address: str, servers: list[TCPStore], node: str = "", *, secret: str,
                  standby: str = "", store_node: str = "", unguarded: bool = False) -> None:
         self.secret = secret
-        self._unguarded = unguarded  # the secret went through the rendezvous store
+        self._unguarded = unguarded  # the secret went through the rendezvous store: said once
         self.node = node
         self.store_node = store_node  # the node hosting the first store: its loss moves the gang
         self._servers = servers  # held by the hosting agents: a store lives as long as its agent
@@ -171,7 +158,7 @@ class InProcessRecovery:
         ``secret`` seals the store's values: the round's secret from etcd, or the job's
         (``RESILIENT_JOB_SECRET``). Without either (torch's c10d rendezvous), rank 0 makes
         one and publishes it in the round's store, which anyone who reaches that store can
-        read: said once in the log, as the trust it leaves, when workers first turn out to
+        read: said in the log (once a round), as the trust it leaves, when workers turn out to
         recover in-process (a job that does not use it has no secret at stake)."""
         unguarded = secret is None
         servers = []
@@ -195,7 +182,10 @@ class InProcessRecovery:
         and the store they recover through answered recently."""
         elastic = self._primary.elastic or (self._standby is not None and self._standby.elastic)
         if elastic and self._unguarded:
-            _say_unguarded()
+            self._unguarded = False
+            log.warning("in-process recovery: no authenticated way to share its secret (use --rdzv-backend=%s "
+                        "or set %s); it goes through the rendezvous store, readable by whoever reaches it",
+                        "etcd-v3", JOB_SECRET_ENV)
         return elastic and (self._in_use.recent() or self._waiting_to_move())
 
     def mark_dead(self, pid: int) -> None:
