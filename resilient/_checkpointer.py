@@ -21,6 +21,7 @@ from ._background import jitter
 from ._catalog import Catalog
 from ._claim import claim_root, job_id, live_sessions, release_root
 from ._coord import Coordinator, make_coordinator
+from ._env import env_flag, env_float
 from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError, StorageError
 from ._events import EventLog
 from ._format import MANIFEST, REMOTE_RECORD, NewerFormatError, data_file_name, decode_manifest, step_dir_name
@@ -28,6 +29,7 @@ from ._gc_pause import gc_paused
 from ._local import LocalTier
 from ._peer_memory import PeerMemory
 from ._preempt import grace_seconds
+from ._preempt import wanted as preemption_wanted
 from ._preempt import watch as watch_preemption
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import OtherRankFailed, load_checkpoint
@@ -82,30 +84,6 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 # Leaving the ``with`` block on an exception: a save in flight usually needs a peer that is
 # gone, and a launcher decides on recovery only once this process has exited.
 _EXIT_ON_ERROR_TIMEOUT = 5.0
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
-
-
-_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return _FLAGS[raw.strip().lower()]
-    except KeyError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a flag (1/0, true/false, "
-                         f"yes/no, on/off)") from None
 
 
 T = TypeVar("T")
@@ -249,7 +227,8 @@ class Checkpointer:
         self.staging = staging
         if direct_io is not None and not isinstance(direct_io, bool):
             raise ValueError(f"direct_io must be True, False or None, got {direct_io!r}")
-        self.direct_io = direct_io if direct_io is not None else _env_flag("RESILIENT_DIRECT_IO", True)
+        self.direct_io = direct_io if direct_io is not None else env_flag("RESILIENT_DIRECT_IO", True)
+        preemption_wanted()  # its settings, checked before anything is made
         self.root = os.fspath(root)
         if not isinstance(self.root, str):
             raise ValueError(f"root must be a directory path, got {type(root).__name__}")
@@ -267,16 +246,16 @@ class Checkpointer:
         self._keep_remote = retention_policy(keep_remote, "keep_remote")
         self._codec = _CODECS[compress]
         self.commit_timeout = (
-            commit_timeout if commit_timeout is not None else _env_float("RESILIENT_COMMIT_TIMEOUT", 600.0)
+            commit_timeout if commit_timeout is not None else env_float("RESILIENT_COMMIT_TIMEOUT", 600.0)
         )
         if not isinstance(self.commit_timeout, (int, float)) or isinstance(self.commit_timeout, bool) \
                 or not self.commit_timeout > 0:
             raise ValueError(f"commit_timeout (argument or RESILIENT_COMMIT_TIMEOUT) must be a number of seconds "
                              f"> 0, got {self.commit_timeout!r}")
-        self.flush_timeout = _env_float("RESILIENT_FLUSH_TIMEOUT", 300.0)
+        self.flush_timeout = env_float("RESILIENT_FLUSH_TIMEOUT", 300.0)
         self._remote: Storage | None = open_storage(remote, self.storage_options) if remote else None
 
-        self._tier = LocalTier(self.root, recycle=_env_flag("RESILIENT_RECYCLE_FILES", True))
+        self._tier = LocalTier(self.root, recycle=env_flag("RESILIENT_RECYCLE_FILES", True))
         self._local_storage = LocalStorage(self.root)  # the same directory, seen through the storage seam
         self._tier.prepare()
         # ``_coordinator``: a caller that saves from one rank only (Lightning's CheckpointIO)
@@ -742,7 +721,7 @@ class Checkpointer:
             return [], None
         answer: tuple[list[int], str | None] | None = None
         if self._coord.rank == 0:
-            answer = self._list_remote(_env_float("RESILIENT_REMOTE_WAIT", 60.0))
+            answer = self._list_remote(env_float("RESILIENT_REMOTE_WAIT", 60.0))
         got = self._coord.all_gather(answer)[0]
         assert isinstance(got, tuple)
         return got
@@ -832,7 +811,7 @@ class Checkpointer:
             # a retry keeps the files already complete (skip_present)
             moved = _retried(what, lambda: copy_step(remote, local, step, ProgressLog(what), skip_present=True,
                                                      workers=8),
-                             _env_float("RESILIENT_REMOTE_WAIT", 60.0), _transient)
+                             env_float("RESILIENT_REMOTE_WAIT", 60.0), _transient)
             fetched[step] = "remote"
             log.info("resilient: fetched step %d from %s (%d bytes in %.2f s)", step, self._remote.url, moved,
                      time.perf_counter() - t0)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ._checkpointer import Checkpointer
+from ._env import env_seconds
 from ._errors import GangChange, ResilientError, StateError, UnsupportedStateError
 from ._events import EventLog
 from ._peer_memory import PeerMemory, interface_towards
@@ -207,7 +208,7 @@ class ElasticRuntime:
                         initial_world_size=int(os.environ.get("WORLD_SIZE", "1")),
                         standby=os.environ.get(STANDBY_ENV, ""),
                         memory_address=memory.address if memory else "",
-                        stale_s=_env_seconds("RESILIENT_HEARTBEAT_TIMEOUT", 1.0),
+                        stale_s=env_seconds("RESILIENT_HEARTBEAT_TIMEOUT", 1.0),
                         # one heartbeat per node: the agent's, else the node's first worker's
                         heartbeat=os.environ.get(AGENT_HEARTBEAT_ENV) != "1"
                         and os.environ.get("LOCAL_RANK", "0") == "0")
@@ -358,17 +359,6 @@ def _retryable(exc: BaseException) -> bool:
     """Whether re-running the function can help: not an interrupt, an exit, or a state that
     will never fit the checkpoint."""
     return isinstance(exc, Exception) and not isinstance(exc, _FATAL)
-
-
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name} must be seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {raw!r}")
-    return value
 
 
 def _destroy_process_group() -> None:

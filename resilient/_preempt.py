@@ -28,6 +28,8 @@ import time
 from types import FrameType
 from typing import Any
 
+from ._env import env_flag, env_seconds
+
 __all__ = ["Preemption", "watch", "grace_seconds", "GRACE_ENV"]
 
 log = logging.getLogger("resilient")
@@ -99,8 +101,8 @@ class Preemption:
 
     def install(self) -> bool:
         """Handle SIGTERM and SIGUSR1 from now on; False where this is not possible (not the
-        main thread) or not wanted (``RESILIENT_PREEMPT=0``)."""
-        if os.environ.get("RESILIENT_PREEMPT", "1") == "0" or threading.current_thread() is not threading.main_thread():
+        main thread)."""
+        if threading.current_thread() is not threading.main_thread():
             return False
         for name in _SIGNALS:
             sig = getattr(signal, name, None)
@@ -117,11 +119,21 @@ class Preemption:
 _WATCH: Preemption | None = None
 
 
+def wanted() -> bool:
+    """Whether signals are to be handled (``RESILIENT_PREEMPT``), the settings checked: a
+    malformed one is refused by name when a Checkpointer is made, not found out at the
+    signal (a grace of "2m" fell back to 25 s, and only "0" turned handling off)."""
+    env_seconds(GRACE_ENV, DEFAULT_GRACE)
+    return env_flag("RESILIENT_PREEMPT", True)
+
+
 def watch() -> Preemption | None:
     """The process's one preemption watch (installed by the first Checkpointer), or None
     when signals cannot be handled here."""
     global _WATCH
     if _WATCH is None:
+        if not wanted():
+            return None
         candidate = Preemption()
         if not candidate.install():
             return None

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from typing import Callable
 
+from ._env import env_seconds
+
 log = logging.getLogger("resilient")
 
 #: Exit status of a process that gave up on a hung step (EX_TEMPFAIL: try again).
@@ -91,11 +93,7 @@ def from_env(rank: int, emit: Callable[..., None],
              on_hang: Callable[[float, float], None] | None = None) -> HangWatchdog | None:
     """The watchdog ``RESILIENT_HANG_TIMEOUT`` asks for; ``on_hang`` replaces exiting (an
     in-process recovery interrupts the step instead)."""
-    raw = os.environ.get("RESILIENT_HANG_TIMEOUT", "").strip()
-    if not raw:
+    floor = env_seconds("RESILIENT_HANG_TIMEOUT", None)
+    if floor is None:
         return None
-    try:
-        floor = float(raw)
-    except ValueError:
-        raise ValueError(f"RESILIENT_HANG_TIMEOUT must be seconds, got {raw!r}") from None
     return HangWatchdog(floor, on_hang or exit_on_hang(rank, emit))

@@ -250,3 +250,14 @@ def test_bad_arguments_are_refused_naming_the_argument(root, tmp_path):
         ckpt.save(1, {"w": torch.ones(2)})
         ckpt.flush(timeout=60)
     assert Checkpointer(str(tmp_path / "other"), remote=str(tmp_path / "shared")).latest() == 1
+
+
+@pytest.mark.parametrize("name, value", [("RESILIENT_PREEMPT_GRACE", "2m"), ("RESILIENT_FLUSH_TIMEOUT", "abc"),
+                                         ("RESILIENT_DIRECT_IO", "maybe"), ("RESILIENT_HANG_TIMEOUT", "-1"),
+                                         ("RESILIENT_PREEMPT", "disable")])
+def test_a_malformed_setting_in_the_environment_is_refused_by_name(root, monkeypatch, name, value):
+    """Before, a preemption grace of "2m" fell back to 25 s without a word (found out at the
+    signal), and RESILIENT_PREEMPT=false left preemption on: only "0" turned it off."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"environment variable {name}={value!r}"):
+        Checkpointer(root, state={"w": torch.ones(2)})
