@@ -144,7 +144,7 @@ class Flattened:
             return {"t": "obj", "sd": self.encode(obj.state_dict(), path, expand_stateful=False)}
         if isinstance(obj, Mapping):
             items = []
-            seen: set[str] = set()
+            seen: dict[str, Any] = {}  # each key's name in the checkpoint -> the key
             for key, value in obj.items():
                 if not isinstance(key, (str, int)) or isinstance(key, bool):
                     raise UnsupportedStateError(
@@ -154,9 +154,10 @@ class Flattened:
                 child = _child(path, key)
                 if child in seen:
                     raise UnsupportedStateError(
-                        f"state[{path!r}]: keys {key!r} and {str(key)!r} collide"
+                        f"state[{path!r}]: keys {seen[child]!r} and {key!r} are both named {child!r} in a "
+                        "checkpoint; make them distinct"
                     )
-                seen.add(child)
+                seen[child] = key
                 items.append([key, self.encode(value, child, expand_stateful=False)])
             return {"t": "dict", "items": items}
         if isinstance(obj, (list, tuple)):

@@ -29,6 +29,9 @@ def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
             ckpt.save(1, {"w": torch.ones(2), "perm": np.arange(4)})
         with pytest.raises(UnsupportedStateError, match=r"state\['meta/best'\]: .*numpy.float32 .*value.item\(\)"):
             ckpt.save(1, {"w": torch.ones(2), "meta": {"best": np.float32(0.5)}})
+        # an int key and its text: both keys as given, and the name they share (was "'1' and '1'")
+        with pytest.raises(UnsupportedStateError, match=r"state\['meta'\]: keys 1 and '1' are both named 'meta/1'"):
+            ckpt.save(1, {"w": torch.ones(2), "meta": {1: "a", "1": "b"}})
         ckpt.wait()
         assert ckpt.latest() is None
     assert [n for n in os.listdir(root) if not n.startswith(".")] == []
