@@ -10,7 +10,9 @@ import re
 
 __all__ = ["step_dir_name", "parse_step_dir", "data_file_name", "parse_data_file"]
 
-_STEP_RE = re.compile(r"^step-(\d{10})$")
+# at least ten digits: a step past 9,999,999,999 (a count of tokens or samples used as the
+# step) has more, and was written but never listed: invisible to restore, retention and the CLI
+_STEP_RE = re.compile(r"^step-(\d{10}|[1-9]\d{10,})$")
 
 
 def step_dir_name(step: int) -> str:

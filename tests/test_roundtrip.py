@@ -220,6 +220,26 @@ def test_a_step_saved_again_is_skipped_unless_forced(root, caplog, monkeypatch):
         assert ckpt.latest() == 40
 
 
+def test_steps_past_ten_digits_are_listed_restored_and_kept_in_order(root):
+    """A count of tokens as the step (10^12 and more) made directories of 13 digits, which
+    were written and committed but never listed: restore returned an older step, and
+    retention never deleted them."""
+    from resilient._names import parse_step_dir
+
+    state = {"x": torch.zeros(3)}
+    with Checkpointer(root, keep=2) as ckpt:
+        for step in (9_999_999_999, 10**12, 2 * 10**12, 10**13):
+            state["x"].fill_(step % 1000 + 1)
+            ckpt.save(step, state)
+        ckpt.wait()
+        assert ckpt.latest() == 10**13
+    assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-10000000000000", "step-2000000000000"]
+    back = {"x": torch.zeros(3)}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(back) == 10**13 and back["x"].tolist() == [1.0] * 3
+    assert parse_step_dir("step-00000000001") is None  # one step, one name: no zero-padded twin
+
+
 def test_a_step_lower_than_the_last_save_is_said_once_per_jump(root, caplog):
     """The batch index of an epoch passed as the step restarts at every epoch: each save
     then overwrites the previous epoch's checkpoint of that number and retention deletes the
