@@ -21,6 +21,7 @@ from ._background import jitter
 from ._catalog import Catalog
 from ._claim import claim_root, job_id, live_sessions, release_root
 from ._coord import Coordinator, make_coordinator
+from ._chunk_table import MAX_CHUNK_BYTES
 from ._env import env_flag, env_float
 from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError, StorageError
 from ._events import EventLog
@@ -218,8 +219,14 @@ class Checkpointer:
             raise ValueError(f"remote must be a URL or a directory, got {type(remote).__name__}")
         if remote is not None:
             refuse_a_mistyped_url(remote)
-        if chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be >= 4096, got {chunk_bytes}")
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            # above the format's limit, every checkpoint was written, then refused as damaged
+            raise ValueError(f"chunk_bytes must be an integer from 4096 to {MAX_CHUNK_BYTES}, got {chunk_bytes!r}")
+        for name, value in (("rng", rng), ("strict", strict)):
+            if not isinstance(value, bool):  # strict="no" was taken as true
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if state is not None and not isinstance(state, Mapping):
+            raise ValueError(f"state must be a mapping of names to objects, got {type(state).__name__}")
         staging = staging if staging is not None else os.environ.get("RESILIENT_STAGING", "auto")
         if staging not in STAGING_MODES:
             raise ValueError(f"staging must be one of {', '.join(STAGING_MODES)} (argument or RESILIENT_STAGING), "

@@ -248,6 +248,14 @@ def test_bad_arguments_are_refused_naming_the_argument(root, tmp_path):
         with pytest.raises(ValueError, match=message):
             Checkpointer(bad, state={"w": torch.ones(2)})
     assert not os.path.exists("s3:") and not os.path.exists(".lock")
+    # above the format's 1 GiB chunks, every checkpoint was written, then refused as damaged
+    # (restore returned 0); strict="no" was taken as true; a list as the state failed at save
+    for kwargs, message in (({"chunk_bytes": 2**31}, r"chunk_bytes must be an integer from 4096 to 1073741824"),
+                            ({"strict": "no"}, "strict must be True or False, got 'no'"),
+                            ({"rng": 1}, "rng must be True or False, got 1"),
+                            ({"state": [torch.ones(2)]}, "state must be a mapping of names to objects, got list")):
+        with pytest.raises(ValueError, match=message):
+            Checkpointer(root, **kwargs)
     # a directory, as a path or a string, is a remote tier (a shared filesystem)
     with Checkpointer(root, remote=tmp_path / "shared") as ckpt:
         ckpt.save(1, {"w": torch.ones(2)})
