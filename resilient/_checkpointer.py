@@ -833,7 +833,8 @@ class Checkpointer:
         Entries of ``state`` are loaded in place (``load_state_dict``, tensor copies), plain
         values into the state's own dicts and lists (``_restore._into``). A checkpoint with a
         missing or corrupt file is skipped with a warning naming it, and the next older one is
-        tried.
+        tried; when committed checkpoints exist and none loads, ``CheckpointCorruptError``
+        (never 0: a fresh start would throw the run away).
 
         ``step=N`` loads that step or raises (never another one). ``strict=False`` loads what
         the state and the checkpoint share (e.g. only the model, for evaluation): entries and
@@ -892,6 +893,19 @@ class Checkpointer:
                     raise CheckpointCorruptError(
                         f"no loadable checkpoint in {self.root!r}: every committed one failed to "
                         "load, and the state may be partially overwritten (see warnings above)"
+                    )
+                # committed checkpoints that cannot be loaded (here, or marked so by an earlier
+                # attempt): starting from scratch would silently throw the run away, and its
+                # new saves would then replace them
+                unloadable = sorted(self._bad_steps | set(self._tier.markers.bad_steps()))
+                if coord.agree_max(int(bool(unloadable))):
+                    raise CheckpointCorruptError(
+                        f"no loadable checkpoint in {self.root!r}: "
+                        + (f"step(s) {', '.join(map(str, unloadable))} are committed but cannot be loaded"
+                           if unloadable else "another rank's committed checkpoints cannot be loaded")
+                        + f" (why: the warnings above, or resilient-ckpt ls {self.root}); not starting from scratch. "
+                        f"To start afresh on purpose, remove them (resilient-ckpt prune {self.root} --after 0) "
+                        "or use another root"
                     )
                 return 0
             refused: ResilientError | None = None

@@ -50,6 +50,43 @@ def test_flipped_byte_is_skipped_with_a_warning_naming_the_file(root, caplog, co
     assert any(bad in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
 
 
+def test_when_no_committed_checkpoint_loads_the_restore_refuses_to_start_from_scratch(root, capsys):
+    """Before, a run whose only checkpoints could not be loaded (a manifest refused, a file
+    flipped before any tensor was touched) started from step 0 with a warning, and its new
+    saves then replaced them; a restart after a flipped byte had marked the step bad did the
+    same without even the warning. Now every attempt refuses, naming the steps and the way
+    to start afresh on purpose."""
+    from resilient.ckpt import main as ckpt_main
+
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1000), "meta": {"epoch": 3}})
+    manifest = os.path.join(root, "step-0000000001", "manifest.json")
+    with open(manifest) as f:
+        record = json.load(f)
+    record["chunk_bytes"] = 2**31  # refused before anything is read
+    with open(manifest, "w") as f:
+        json.dump(record, f)
+    for attempt in range(2):
+        with Checkpointer(root) as ckpt:
+            with pytest.raises(CheckpointCorruptError, match=r"step\(s\) 1 are committed but cannot be loaded .* "
+                                                             r"not starting from scratch.* --after 0"):
+                ckpt.restore({"w": torch.zeros(1000), "meta": {"epoch": 0}})
+    assert ckpt_main(["prune", root, "--after", "0"]) == 0 and "deleted step 1" in capsys.readouterr().out
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(1000)}) == 0  # afresh, on purpose
+
+    # a flipped byte is proven damage: the step is marked bad, and the next attempt, which no
+    # longer offers it, still refuses
+    with Checkpointer(root) as ckpt:
+        ckpt.save(2, {"w": torch.ones(1000)})
+    flip_byte(os.path.join(root, "step-0000000002", "rank-00000.data"), 100)
+    for attempt in range(2):
+        with Checkpointer(root) as ckpt:
+            with pytest.raises(CheckpointCorruptError, match="no loadable checkpoint"):
+                ckpt.restore({"w": torch.zeros(1000)})
+    assert os.listdir(os.path.join(root, ".bad"))  # the second attempt found it marked
+
+
 def test_missing_or_truncated_file_is_skipped(root, caplog):
     state = {"w": torch.ones(1000)}
     with Checkpointer(root, keep=None) as ckpt:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from resilient import Checkpointer
+from resilient import CheckpointCorruptError, Checkpointer
 from resilient._format import MANIFEST
 from resilient._peer_memory import PeerMemory
 from resilient._regroup import Regroup, connect, peer_token, raise_failed
@@ -180,7 +180,9 @@ def test_a_peers_manifest_is_accepted_only_if_it_is_the_committed_one(tmp_path, 
         servers["d"].set_peers([b.address], partner=None)
         with caplog.at_level(logging.WARNING, logger="resilient"):
             with Checkpointer(str(tmp_path / "d"), _memory=servers["d"]) as ckpt:
-                assert ckpt.restore(_state(0)) == 0  # nothing to load
+                # nothing else to load: refused, not a fresh start that would throw the run away
+                with pytest.raises(CheckpointCorruptError, match="step\\(s\\) 5 are committed but cannot be loaded"):
+                    ckpt.restore(_state(0))
         assert "differs from the manifest committed for step 5" in caplog.text
         assert not os.path.exists(tmp_path / "d" / "step-0000000005")
     finally:
