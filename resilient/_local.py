@@ -331,8 +331,7 @@ class _TrashCollector:
 def _bytes_under(path: str) -> int:
     """What the files directly in ``path`` hold (0 if it is gone)."""
     try:
-        with os.scandir(path) as entries:
-            return sum(e.stat().st_size for e in entries if e.is_file(follow_symlinks=False))
+        return sum(LocalStorage(path).sizes().values())
     except FileNotFoundError:
         return 0
 

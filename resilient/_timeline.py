@@ -89,18 +89,26 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_text_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, str)
+
+
 #: the fields each kind of event is read for, beyond ``event`` and ``t``: (name, check, required)
 _FIELDS: dict[str, tuple[tuple[str, Callable[[Any], bool], bool], ...]] = {
     "step": (("step", _is_int, True),),
-    "restored": (("step", _is_int, True), ("source", lambda v: v is None or isinstance(v, str), False)),
+    "restored": (("step", _is_int, True), ("source", _is_text_or_none, False)),
     "round_formed": (("round", _is_int, True), ("nodes", _is_int, True)),
-    "membership_change": (("detail", lambda v: v is None or isinstance(v, str), False),),
-    "workers_restarted": (("reason", lambda v: isinstance(v, str), True),),
-    "fault": (("kind", lambda v: isinstance(v, str), True), ("target", lambda v: v is None or isinstance(v, str), False)),
+    "membership_change": (("detail", _is_text_or_none, False),),
+    "workers_restarted": (("reason", _is_text, True),),
+    "fault": (("kind", _is_text, True), ("target", _is_text_or_none, False)),
     "hang_detected": (("rank", _is_int, True), ("idle_s", _is_number, True), ("limit_s", _is_number, True)),
-    "failure_detected": (("rank", _is_int, True), ("detail", lambda v: isinstance(v, str), True)),
+    "failure_detected": (("rank", _is_int, True), ("detail", _is_text, True)),
     "regrouped": (("gen", _is_int, True), ("world_size", _is_int, True), ("seconds", _is_number, True)),
-    "save_failed": (("step", _is_int, True), ("error", lambda v: isinstance(v, str), False)),
+    "save_failed": (("step", _is_int, True), ("error", _is_text, False)),
 }
 _COMMON = (("rank", _is_int, False), ("pid", _is_int, False), ("gen", _is_int, False))  # agents' rank: -1
 
@@ -111,7 +119,7 @@ def _well_formed(event: Any) -> bool:
     if not isinstance(event, dict) or not isinstance(event.get("event"), str) or not _is_number(event.get("t")):
         return False
     for name, check, required in _COMMON + _FIELDS.get(event["event"], ()):
-        if name in event and not check(event[name]) or required and name not in event:
+        if (name in event and not check(event[name])) or (required and name not in event):
             return False
     return True
 
