@@ -741,6 +741,17 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - any store failure, reported to every rank
             return [], f"{type(exc).__name__}: {exc}"  # never the storage options
 
+    def _remote_bad_steps(self) -> set[int]:
+        """Steps the remote tier has marked bad, as rank 0 lists them (one request; an
+        unreachable store counts as none). Asked only when no step is left to restore: a
+        fresh node whose remote tier holds nothing but damaged steps would start afresh."""
+        if self._remote is None or self._coord.rank != 0:
+            return set()
+        try:
+            return set(Catalog(self._remote).bad_steps())
+        except Exception:  # noqa: BLE001 - the store's answer is only a reason to refuse
+            return set()
+
     def _memory_steps(self) -> set[int]:
         return self._memory.steps() if self._memory is not None else set()
 
@@ -897,7 +908,7 @@ class Checkpointer:
                 # committed checkpoints that cannot be loaded (here, or marked so by an earlier
                 # attempt): starting from scratch would silently throw the run away, and its
                 # new saves would then replace them
-                unloadable = sorted(self._bad_steps | set(self._tier.markers.bad_steps()))
+                unloadable = sorted(self._bad_steps | set(self._tier.markers.bad_steps()) | self._remote_bad_steps())
                 if coord.agree_max(int(bool(unloadable))):
                     raise CheckpointCorruptError(
                         f"no loadable checkpoint in {self.root!r}: "

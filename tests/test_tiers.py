@@ -457,6 +457,28 @@ def test_damaged_local_copy_is_replaced_from_the_remote_tier(tmp_path, s3_server
     assert any("fetching it again" in r.getMessage() for r in caplog.records)
 
 
+def test_a_fresh_node_whose_remote_tier_holds_only_steps_marked_bad_refuses_to_start_afresh(tmp_path):
+    """A step some node proved damaged is marked bad on the remote tier, which then lists no
+    committed step: a fresh node started from step 0, and its saves replaced the run's
+    checkpoints. It refuses now, naming the step; once the step is pruned, it starts afresh."""
+    from resilient import CheckpointCorruptError
+    from resilient._catalog import Catalog
+    from resilient._storage import LocalStorage
+    from resilient.ckpt import main as ckpt_main
+
+    shared = tmp_path / "shared"  # a shared directory as the remote tier
+    with Checkpointer(tmp_path / "a", remote=shared) as ckpt:
+        ckpt.save(1, {"w": torch.ones(1000)})
+        ckpt.flush(timeout=60)
+    Catalog(LocalStorage(str(shared))).mark_bad(1, "checksum mismatch (found by node a)")  # as a restore marks it
+    with Checkpointer(tmp_path / "fresh", remote=shared) as ckpt:
+        with pytest.raises(CheckpointCorruptError, match=r"step\(s\) 1 are committed but cannot be loaded"):
+            ckpt.restore({"w": torch.zeros(1000)})
+    assert ckpt_main(["prune", str(shared), "--after", "0"]) == 0
+    with Checkpointer(tmp_path / "fresh", remote=shared) as ckpt:
+        assert ckpt.restore({"w": torch.zeros(1000)}) == 0
+
+
 def test_a_failing_upload_callback_does_not_stop_the_uploads(tmp_path, caplog):
     """The uploader's thread calls back into the Checkpointer after each step; an error there
     (once: a callback that ran before the Checkpointer had finished its __init__) killed the
