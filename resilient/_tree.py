@@ -19,6 +19,7 @@ from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
+from ._generators import stateful_generator
 from ._wrappers import state_holder
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path",
@@ -179,7 +180,10 @@ class Flattened:
 
 def _remedy(obj: Any) -> str:
     """What to store instead of ``obj``: numpy's values, which torch.save users keep in their
-    state, get the conversion that keeps them whole."""
+    state, get the conversion that keeps them whole; a random generator, where it is kept."""
+    if stateful_generator(obj) is not None:
+        return ("a random generator is saved as a top-level entry of the state (state['name'] = generator), "
+                "and restored into the same object")
     if type(obj).__module__ == "numpy":
         if type(obj).__name__ == "ndarray":
             return "store torch.from_numpy(value) (restored as a tensor; .numpy() gives the array back)"

@@ -21,6 +21,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ._generators import stateful_generator
+
 __all__ = ["state_holder"]
 
 #: (the attribute holding the wrapped module, the prefix its keys get): torch.compile's
@@ -63,7 +65,11 @@ def state_holder(obj: Any, saved_keys: Iterable[Any] | None = None) -> Any:
 
     Saving (``saved_keys`` None): the innermost module of a wrapper, else ``obj``.
     Restoring: the outermost level whose keys, prefixes included, all of ``saved_keys``
-    (the keys of the saved state dict) start with; the innermost when none does."""
+    (the keys of the saved state dict) start with; the innermost when none does. A random
+    generator's entry is held by an adapter that gives its state (``_generators``)."""
+    generator = stateful_generator(obj)
+    if generator is not None:
+        return generator
     chain, prefixes = _levels(obj)
     if saved_keys is None or len(chain) == 1:
         return chain[-1]

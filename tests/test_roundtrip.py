@@ -220,6 +220,39 @@ def test_a_step_saved_again_is_skipped_unless_forced(root, caplog, monkeypatch):
         assert ckpt.latest() == 40
 
 
+def test_random_generators_in_the_state_resume_the_data_order(root):
+    """A DataLoader shuffling with a generator of the program's own, and generators of
+    Python and numpy: each was refused as needing pickle, so a resumed run shuffled
+    differently. Restored into the program's own objects, the resumed epochs draw what the
+    uninterrupted run drew."""
+    from resilient import UnsupportedStateError
+
+    def generators(seed):
+        return {"loader": torch.Generator().manual_seed(seed), "py": random.Random(seed),
+                "np": np.random.default_rng(seed), "legacy": np.random.RandomState(seed)}
+
+    def epoch(gens):
+        loader = torch.utils.data.DataLoader(range(20), batch_size=5, shuffle=True, generator=gens["loader"])
+        return ([b.tolist() for b in loader], gens["py"].random(), gens["np"].integers(1 << 30),
+                gens["legacy"].randint(1 << 30))
+
+    straight = generators(0)
+    uninterrupted = [epoch(straight) for _ in range(3)]
+    first = generators(0)
+    assert epoch(first) == uninterrupted[0]
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, dict(first))
+    resumed = generators(99)  # a new process: other seeds, other objects
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(resumed) == 1
+    assert [epoch(resumed) for _ in range(2)] == uninterrupted[1:]
+    # below the top level it is refused, saying where it goes
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"state\['data/g'\]: .* a random generator is saved as a "
+                                                         r"top-level entry"):
+            ckpt.save(2, {"data": {"g": torch.Generator()}})
+
+
 def test_steps_past_ten_digits_are_listed_restored_and_kept_in_order(root):
     """A count of tokens as the step (10^12 and more) made directories of 13 digits, which
     were written and committed but never listed: restore returned an older step, and
