@@ -598,6 +598,10 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         # sharding); everything else is built fresh from the checkpoint.
         targets = flatten_target(entry.inner, path) if path else {}
         saved_names = {name for source in entry.sources for name in tensor_names(source)}
+        if isinstance(entry.inner, torch.optim.Optimizer):
+            # its load_state_dict replaces the whole state: a live tensor the checkpoint lacks
+            # (LBFGS's history, longer now than when saved) goes, and is no missing key
+            targets = {name: t for name, t in targets.items() if name in saved_names}
         if not strict:
             live = targets
             targets = {name: t for name, t in targets.items() if name in saved_names}

@@ -108,6 +108,46 @@ def test_an_optimizer_that_does_not_fit_the_checkpoint_is_named_and_no_older_ste
     assert torch.equal(fitting.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
 
 
+def test_a_rollback_into_a_live_optimizer_whose_state_has_grown_resumes_bitwise(root):
+    """restore(step=N) in the same process (a rollback after a loss spike): LBFGS's history
+    lists were longer than when saved, and its live tensors the checkpoint lacks were taken
+    for missing keys ("key 'o/state/0/al/3' is not in the checkpoint"). An optimizer's
+    load_state_dict replaces its whole state, so they are no missing key."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optim = torch.optim.LBFGS(model.parameters(), history_size=5, max_iter=3)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def step():
+        def loss():
+            optim.zero_grad()
+            value = ((model(x) - y) ** 2).mean()
+            value.backward()
+            return value
+        optim.step(loss)
+
+    state = {"model": model, "optim": optim}
+    with Checkpointer(root, keep=None) as ckpt:
+        for n in range(1, 3):
+            step()
+            ckpt.save(n, state)
+        for n in range(3, 6):
+            step()
+        ckpt.restore(state, step=2)  # the history holds more entries now than at step 2
+        for n in range(3, 6):
+            step()
+        after_rollback = model.weight.detach().clone()
+    torch.manual_seed(0)
+    twin = torch.nn.Linear(4, 1)
+    twin_optim = torch.optim.LBFGS(twin.parameters(), history_size=5, max_iter=3)
+    with Checkpointer(root) as ckpt:
+        ckpt.restore({"model": twin, "optim": twin_optim}, step=2)  # a fresh process's optimizer
+    model, optim = twin, twin_optim  # what step() trains from here
+    for n in range(3, 6):
+        step()
+    assert torch.equal(after_rollback, twin.weight)
+
+
 def test_plain_values_are_restored_into_the_programs_own_dicts_and_lists(root):
     """A program holds references into its state (``progress = state["progress"]``): they see
     the restored values, as after DCP's load. The entry was replaced by new containers, and
