@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import errno
 import re
 import shutil
 import socket
@@ -185,8 +186,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: a URL's "user:password@" before its host: the password part
+_PASSWORD_IN_URL = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*):[^/@]*@", re.IGNORECASE)
+
+
+def refuse_a_password_in_the_url(url: str) -> None:
+    """Why: a URL is written to logs, to errors and into the local root's record of its
+    remote tier (for ``resilient-ckpt``), so a password in it ("sftp://bob:pw@host/run")
+    would be in all of them. Credentials go in ``storage_options`` or the environment."""
+    if _PASSWORD_IN_URL.match(url):
+        shown = _PASSWORD_IN_URL.sub(r"\1:***@", url, count=1)
+        raise StorageError(errno.EINVAL, f"{shown}: a password in the URL would be written to logs, errors and the "
+                                         "checkpoint root's record of its remote tier; pass credentials in "
+                                         "storage_options (or --storage-options) or the environment instead")
+
+
 class FsspecStorage:
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        refuse_a_password_in_the_url(url)
         protocol = url.split("://", 1)[0]
         try:
             import fsspec

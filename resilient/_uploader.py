@@ -205,10 +205,13 @@ class Uploader:
         return time.monotonic() - min(started) if started else 0.0
 
     def flush(self, timeout: float | None) -> None:
-        """Block until the queue is empty; TimeoutError naming the steps still pending."""
+        """Block until the queue is empty; TimeoutError naming the steps still pending.
+        Until the remote tier is listed, the steps found on the local tier at the start may be
+        missing there; when none was found, there is nothing to wait for (a process that
+        saved nothing, with the store unreachable, waited out the whole flush timeout)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or not self._caught_up:
+            while self._queue or (not self._caught_up and self._found_at_start):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(

@@ -345,6 +345,36 @@ def test_credentials_never_appear_in_logs_errors_or_manifests(tmp_path, caplog, 
                 assert secret.encode() not in fh.read()
 
 
+def test_a_password_in_a_url_is_refused_without_being_repeated(tmp_path, capsys):
+    """A URL goes into logs, errors and the root's record of its remote tier: one carrying
+    a password ("sftp://bob:pw@host/run") is refused, the password shown as ***."""
+    from resilient.ckpt import main as ckpt_main
+
+    for url in ("ftp://bob:hunter2@files.example/run", "s3://AKIA:hunter2@bucket/run"):
+        with pytest.raises(StorageError, match=r"://[a-zA-Z]+:\*\*\*@.*pass credentials in storage_options") as err:
+            Checkpointer(tmp_path / "l", remote=url)
+        assert "hunter2" not in str(err.value)
+        assert ckpt_main(["ls", url]) == 1
+        assert "hunter2" not in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "l" / ".remote.json")
+    Checkpointer(tmp_path / "l", remote=str(tmp_path / "at@sign:dir")).close()  # a directory may hold @ and :
+
+
+def test_a_process_that_saved_nothing_does_not_wait_for_a_store_that_is_down(tmp_path, caplog):
+    """Nothing on the local tier and nothing saved: closing waited out the whole flush
+    timeout (300 s) for the unreachable store's listing, and so did the interpreter's exit
+    for a Checkpointer made only to ask latest()."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    opts = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": dead},
+            "config_kwargs": {"connect_timeout": 0.5, "retries": {"max_attempts": 1}}}
+    ckpt = Checkpointer(tmp_path / "fresh", remote="s3://down/run", storage_options=opts)
+    started = time.monotonic()
+    ckpt.flush(timeout=60)
+    ckpt.close()
+    assert time.monotonic() - started < 10
+    assert not [r for r in caplog.records if "unfinished" in r.getMessage()]
+
+
 def test_missing_extra_names_the_pip_command(tmp_path):
     import importlib.util
 
