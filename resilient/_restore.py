@@ -625,6 +625,13 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 destinations[name] = _Destination.placed_like(templates[name], meta, name)
             else:
                 destinations[name] = _Destination.fresh(meta)
+    unasked = [key for key in saved_entries if key not in state]
+    if strict and unasked and rank == 0:
+        # a forgotten entry (the scheduler, the data loader) would go on from its initial
+        # state while the run resumes; a part restored on purpose is strict=False's
+        log.warning("resilient: the checkpoint of step %d also holds %s, which the state to restore does not name: "
+                    "not restored (name it in the state, or pass strict=False to restore a part on purpose)",
+                    step, ", ".join(map(repr, unasked)))
     return destinations, entries, record
 
 

@@ -51,9 +51,15 @@ def test_model_only_restore_for_evaluation_and_fine_tuning(root, caplog):
         ckpt.save(10, {"model": trained, "optim": optim, "meta": {"epoch": 4}})
     with Checkpointer(root) as ckpt:
         evaluation = _model(2)  # a subset of the entries: no optimizer built at all
-        assert ckpt.restore({"model": evaluation}) == 10
+        assert ckpt.restore({"model": evaluation}, strict=False) == 10
         assert all(torch.equal(a, b) for a, b in zip(evaluation.state_dict().values(),
                                                      trained.state_dict().values()))
+        assert "which the state to restore does not name" not in caplog.text
+        # strict (the default), the entries left out are named: a forgotten optimizer or
+        # scheduler would go on from its initial state while the run resumes
+        assert ckpt.restore({"model": evaluation}) == 10
+        assert ("the checkpoint of step 10 also holds 'optim', 'meta', which the state to restore does not name: "
+                "not restored") in caplog.text
         # fine-tuning: a new head the checkpoint never had, and a new entry
         tuned = _model(3)
         tuned.append(torch.nn.Linear(2, 5))
