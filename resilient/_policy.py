@@ -123,6 +123,8 @@ class AnyOf:
 def save_policy(every: int | None, every_seconds: float | None) -> SavePolicy:
     parts = [EveryNSteps(every)] if every is not None else []
     if every_seconds is not None:
+        if not isinstance(every_seconds, (int, float)) or isinstance(every_seconds, bool):
+            raise ValueError(f"every_seconds must be a number of seconds, got {every_seconds!r}")  # "60" was taken
         parts.append(EveryNSeconds(float(every_seconds)))
     if not parts:
         return Always()

@@ -253,6 +253,7 @@ def test_bad_arguments_are_refused_naming_the_argument(root, tmp_path):
     for kwargs, message in (({"chunk_bytes": 2**31}, r"chunk_bytes must be an integer from 4096 to 1073741824"),
                             ({"strict": "no"}, "strict must be True or False, got 'no'"),
                             ({"rng": 1}, "rng must be True or False, got 1"),
+                            ({"every_seconds": "60"}, "every_seconds must be a number of seconds, got '60'"),
                             ({"state": [torch.ones(2)]}, "state must be a mapping of names to objects, got list")):
         with pytest.raises(ValueError, match=message):
             Checkpointer(root, **kwargs)
