@@ -9,9 +9,9 @@ and never appear in a message: errors name the URL, which carries none.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
-import errno
 import re
 import shutil
 import socket

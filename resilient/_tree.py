@@ -17,9 +17,9 @@ import torch
 
 from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE
+from ._generators import stateful_generator
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
-from ._generators import stateful_generator
 from ._wrappers import state_holder
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path",
