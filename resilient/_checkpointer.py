@@ -46,7 +46,7 @@ from ._fence import STAGING_MODES, SnapshotDone, deferred_sources, open_all, opt
 from ._watchdog import from_env as watchdog_from_env
 from ._metrics import enabled as metrics_enabled
 from ._metrics import metrics
-from ._writer import BackgroundWriter, SaveHandle, SaveJob
+from ._writer import NO_SPACE, BackgroundWriter, SaveHandle, SaveJob
 from .launch.gang import Gang
 
 __all__ = ["Checkpointer"]
@@ -219,8 +219,9 @@ class Checkpointer:
             raise ValueError(f"remote must be a URL or a directory, got {type(remote).__name__}")
         if remote is not None:
             refuse_a_mistyped_url(remote)
-        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
-            # above the format's limit, every checkpoint was written, then refused as damaged
+        # above the format's limit, every checkpoint was written, then refused as damaged
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) \
+                or not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be an integer from 4096 to {MAX_CHUNK_BYTES}, got {chunk_bytes!r}")
         for name, value in (("rng", rng), ("strict", strict)):
             if not isinstance(value, bool):  # strict="no" was taken as true
@@ -606,7 +607,7 @@ class Checkpointer:
         waits on the local disk until it is uploaded (retention never deletes it first), so
         a store down for hours fills the disk, unless ``keep_remote`` bounds the backlog."""
         uploader = self._uploader
-        full = any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT))
+        full = any(os.strerror(code) in str(error) for code in NO_SPACE)
         waiting = uploader.pending() if uploader is not None and full else []
         if uploader is None or self._remote is None or not waiting:
             return

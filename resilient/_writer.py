@@ -46,7 +46,7 @@ __all__ = ["SaveHandle", "SaveJob", "BackgroundWriter"]
 log = logging.getLogger("resilient")
 
 
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or this user's quota on it
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, or this user's quota on it
 
 
 class SaveHandle:
@@ -228,8 +228,8 @@ class BackgroundWriter:
             if self.written is not None:
                 self.written(job.step, None if report["file"] is None else os.path.join(pending, report["file"]))
         except Exception as exc:
-            why = (self.tier.no_space(exc, job.plan.nbytes, pending) if isinstance(exc, OSError) and exc.errno in _NO_SPACE
-                   else f"{type(exc).__name__}: {exc}")
+            full = isinstance(exc, OSError) and exc.errno in NO_SPACE
+            why = self.tier.no_space(exc, job.plan.nbytes, pending) if full else f"{type(exc).__name__}: {exc}"
             report = {"rank": self.coord.rank, "error": why}
 
         def commit(manifest: bytes) -> None:

@@ -115,7 +115,8 @@ class InProcessRecovery:
     def __init__(self, address: str, servers: list[TCPStore], node: str = "", *, secret: str,
                  standby: str = "", store_node: str = "", unguarded: bool = False) -> None:
         self.secret = secret
-        self._unguarded = unguarded  # the secret went through the rendezvous store: said once
+        # the secret went through the rendezvous store: said once, when workers recover in-process
+        self._trust_to_say = unguarded
         self.node = node
         self.store_node = store_node  # the node hosting the first store: its loss moves the gang
         self._servers = servers  # held by the hosting agents: a store lives as long as its agent
@@ -181,8 +182,8 @@ class InProcessRecovery:
         """Whether this round's workers recover in-process: they said so when they started,
         and the store they recover through answered recently."""
         elastic = self._primary.elastic or (self._standby is not None and self._standby.elastic)
-        if elastic and self._unguarded:
-            self._unguarded = False
+        if elastic and self._trust_to_say:
+            self._trust_to_say = False
             log.warning("in-process recovery: no authenticated way to share its secret (use --rdzv-backend=%s "
                         "or set %s); it goes through the rendezvous store, readable by whoever reaches it",
                         "etcd-v3", JOB_SECRET_ENV)
