@@ -3,7 +3,8 @@
 Two phases, so that bad input changes nothing:
 
 1. **check** (no data read): every entry asked for exists, every tensor the target holds
-   is in the checkpoint with the same shape and dtype; errors name the key.
+   is in the checkpoint with the same shape and dtype (or a floating-point dtype converted
+   into the target's, as ``load_state_dict`` does, named in a warning); errors name the key.
 2. **load**: each target tensor is a box of the global tensor (the whole of it for plain
    tensors, the local shard for a DTensor); it is filled from every saved box that
    intersects it, reading straight into the tensor's memory when the boxes coincide and
@@ -35,11 +36,13 @@ collective that will not come, and every rank falls back together.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
 import socket
 import threading
+import warnings
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, MutableMapping
@@ -205,11 +208,32 @@ def _check_tensor(name: str, meta: dict[str, Any] | None, target: torch.Tensor, 
             f"key {name!r}: shape mismatch: the state expects {list(target.shape)}, "
             f"the checkpoint of step {step} has {meta['shape']}"
         )
-    if dtype_name(target.dtype) != meta["dtype"]:
+    if dtype_name(target.dtype) != meta["dtype"] and not converts(dtype_from_name(meta["dtype"]), target.dtype):
         raise StateError(
             f"key {name!r}: dtype mismatch: the state expects {dtype_name(target.dtype)}, "
-            f"the checkpoint of step {step} has {meta['dtype']}"
+            f"the checkpoint of step {step} has {meta['dtype']} (a restore converts between "
+            "floating-point dtypes, or complex ones, only)"
         )
+
+
+@functools.lru_cache(maxsize=None)
+def converts(saved: torch.dtype, wanted: torch.dtype) -> bool:
+    """Whether a tensor saved as ``saved`` is restored into a live tensor of ``wanted``: both
+    floating point (or both complex), as ``load_state_dict`` converts them (a bf16 model from
+    an fp32 checkpoint, to fine-tune or evaluate), and torch has the conversion (none for
+    float4, say). An integer or bool dtype that changed is more likely indices read as
+    something else: refused."""
+    if saved.is_complex != wanted.is_complex or not (saved.is_floating_point or saved.is_complex):
+        return False
+    if not (wanted.is_floating_point or wanted.is_complex):
+        return False
+    try:
+        with warnings.catch_warnings():  # complex32's "experimental" note, said by the probe only
+            warnings.simplefilter("ignore")
+            torch.zeros(1, dtype=wanted).copy_(torch.zeros(1, dtype=saved))
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
 
 def _without(node: dict[str, Any], names: set[str]) -> dict[str, Any]:
@@ -259,17 +283,19 @@ class _Destination:
         self.value: torch.Tensor = live if live is not None else local
 
     @classmethod
-    def into(cls, live: torch.Tensor, name: str) -> "_Destination":
+    def into(cls, live: torch.Tensor, name: str, saved: torch.dtype) -> "_Destination":
+        """Into ``live``, whose saved bytes are of dtype ``saved`` (converted at ``finish``
+        when the live tensor's differs)."""
         if is_dtensor(live):
             box = dtensor_box(live, name)
             local = local_tensor(live)
         else:
             box, local = Box((0,) * live.dim(), tuple(live.shape)), live
-        direct = local.is_cpu and local.is_contiguous()
+        direct = local.is_cpu and local.is_contiguous() and local.dtype == saved
         if direct:  # detached only when it must be: ~5 µs a tensor, at every restore
             buffer = local.detach() if local.requires_grad else local
         else:
-            buffer = torch.empty(tuple(local.shape), dtype=local.dtype)
+            buffer = torch.empty(tuple(local.shape), dtype=saved)
         return cls(live, local, buffer, box)
 
     @classmethod
@@ -301,8 +327,15 @@ class _Destination:
         return (self.live is None and is_dtensor(self.value)
                 and local_tensor(self.value).data_ptr() != self.buffer.data_ptr())
 
+    @property
+    def converts(self) -> bool:
+        """Whether the saved dtype (the buffer's) is converted into the live tensor's."""
+        return self.local.dtype != self.buffer.dtype
+
     def finish(self) -> None:
-        if self.local.data_ptr() != self.buffer.data_ptr():
+        if self.converts:
+            self.local.detach().copy_(self.buffer)
+        elif self.local.data_ptr() != self.buffer.data_ptr():
             bitwise(self.local).copy_(bitwise(self.buffer))
         if self.live is None and is_dtensor(self.value):
             local = local_tensor(self.value)
@@ -422,7 +455,7 @@ def _shareable(name: str, dest: "_Destination", meta: dict[str, Any], device: st
         return 0
     if list(dest.box.sizes) != list(meta["shape"]) or not dest.local.is_contiguous():
         return 0
-    if dest.local.device.type != device:
+    if dest.local.device.type != device or dest.converts:  # shared as the live tensor's bytes
         return 0
     nbytes = dest.buffer.numel() * dest.buffer.element_size()
     return nbytes if nbytes >= SHARE_MIN_BYTES else 0
@@ -620,11 +653,14 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         for name in saved_names:
             meta = tensors_meta[name]
             if name in targets:
-                destinations[name] = _Destination.into(targets[name], name)
+                destinations[name] = _Destination.into(targets[name], name, dtype_from_name(meta["dtype"]))
             elif name in templates and list(templates[name].shape) == meta["shape"]:
                 destinations[name] = _Destination.placed_like(templates[name], meta, name)
             else:
                 destinations[name] = _Destination.fresh(meta)
+    converted = sorted(name for name, dest in destinations.items() if dest.converts)
+    if converted and rank == 0:
+        _warn_converted(step, converted, destinations)
     unasked = [key for key in saved_entries if key not in state]
     if strict and unasked and rank == 0:
         # a forgotten entry (the scheduler, the data loader) would go on from its initial
@@ -633,6 +669,16 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                     "not restored (name it in the state, or pass strict=False to restore a part on purpose)",
                     step, ", ".join(map(repr, unasked)))
     return destinations, entries, record
+
+
+def _warn_converted(step: int, names: list[str], destinations: dict[str, "_Destination"]) -> None:
+    """Tensors restored into the state's own dtypes: said once, with each conversion, as a
+    bitwise resume is then no longer what happens (fp32 into a bf16 model loses bits)."""
+    pairs = sorted({(dtype_name(destinations[n].buffer.dtype), dtype_name(destinations[n].local.dtype))
+                    for n in names})
+    log.warning("resilient: %d tensor%s of step %d restored into the state's dtypes (%s; first %r)",
+                len(names), "" if len(names) == 1 else "s", step,
+                ", ".join(f"{a} -> {b}" for a, b in pairs), names[0])
 
 
 def _warn_nothing_matched(key: str, step: int, live: list[str], saved: list[str]) -> None:

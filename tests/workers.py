@@ -140,7 +140,10 @@ def dtensor_save(a: dict) -> None:
 def dtensor_load(a: dict) -> None:
     """Restore into DTensors on this world's mesh (zeroed first) and check every element."""
     rank, world = init()
-    tensors, full = dtensor_box_tensors(world)
+    tensors, full = dtensor_box_tensors(world, uint4=not a.get("widen"))
+    if a.get("widen"):  # restored into float64 DTensors of the same placements: converted, exactly
+        tensors = {k: t.to(torch.float64) if t.is_floating_point() else t for k, t in tensors.items()}
+        full = {k: t.to(torch.float64) if t.is_floating_point() else t for k, t in full.items()}
     with torch.no_grad():
         for t in tensors.values():
             local = t.to_local() if hasattr(t, "to_local") else t
@@ -411,8 +414,10 @@ def replicated_restore(a: dict) -> None:
     """Restore replicated state; report the bytes this rank read (each reads ~1/world)."""
     rank, world = init()
     expected = _replicated_state(a["expect"])
-    target = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
-              "bf16": torch.zeros_like(expected["bf16"]), "meta": {"step": 0}}
+    # widen: restored into wider dtypes (converted, exactly), which are not shared
+    model_dtype, bf16_dtype = (torch.float64, torch.float32) if a.get("widen") else (None, None)
+    target = {"model": {k: torch.zeros_like(v, dtype=model_dtype) for k, v in expected["model"].items()},
+              "bf16": torch.zeros_like(expected["bf16"], dtype=bf16_dtype), "meta": {"step": 0}}
     with Checkpointer(a["root"], remote=a.get("remote"), storage_options=a.get("storage_options")) as ckpt:
         if a.get("remote"):
             ckpt.restore(dict(target))  # fetch first: the download is not what is measured
@@ -424,8 +429,9 @@ def replicated_restore(a: dict) -> None:
         read = _bytes_read() - before
     assert step == a["expect"], (rank, step)
     for k, v in expected["model"].items():
-        assert torch.equal(target["model"][k], v), (rank, k)
-    assert torch.equal(target["bf16"], expected["bf16"]) and target["meta"] == {"step": a["expect"]}
+        assert torch.equal(target["model"][k], v.to(target["model"][k].dtype)), (rank, k)
+    assert torch.equal(target["bf16"], expected["bf16"].to(target["bf16"].dtype))
+    assert target["meta"] == {"step": a["expect"]}
     print("RESULT " + json.dumps({"rank": rank, "read": read}), flush=True)
 
 
