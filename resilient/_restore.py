@@ -48,6 +48,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, MutableMapping
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ._box_runs import SavedBoxes
 from ._chunkio import ChunkedFile, ChunkRun, batched
@@ -195,6 +196,9 @@ def _along_first_dim(boxes: SavedBoxes, target: Box) -> list[dict[str, Any]]:
 def _check_tensor(name: str, meta: dict[str, Any] | None, target: torch.Tensor, step: int) -> None:
     if meta is None:
         raise StateError(f"key {name!r} is not in the checkpoint of step {step}")
+    if is_lazy(target):  # its shape is the checkpoint's, as load_state_dict makes it (_materialize)
+        _check_dtype(name, meta, target, step)
+        return
     unplain = without_plain_bytes(target)
     if unplain is not None:
         why, remedy = unplain
@@ -208,6 +212,10 @@ def _check_tensor(name: str, meta: dict[str, Any] | None, target: torch.Tensor, 
             f"key {name!r}: shape mismatch: the state expects {list(target.shape)}, "
             f"the checkpoint of step {step} has {meta['shape']}"
         )
+    _check_dtype(name, meta, target, step)
+
+
+def _check_dtype(name: str, meta: dict[str, Any], target: torch.Tensor, step: int) -> None:
     if dtype_name(target.dtype) != meta["dtype"] and not converts(dtype_from_name(meta["dtype"]), target.dtype):
         raise StateError(
             f"key {name!r}: dtype mismatch: the state expects {dtype_name(target.dtype)}, "
@@ -614,6 +622,7 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
 
     # -- phase 1: check, and decide where every tensor goes ---------------------------------
     destinations: dict[str, _Destination] = {}
+    lazy: dict[str, torch.Tensor] = {}
     entries: list[_Entry] = []
     for key, target in state.items():
         node = saved_entries.get(key)
@@ -652,12 +661,16 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                      if isinstance(entry.inner, torch.optim.Optimizer) and path else {})
         for name in saved_names:
             meta = tensors_meta[name]
-            if name in targets:
+            if name in targets and is_lazy(targets[name]):
+                lazy[name] = targets[name]  # materialized once every entry is checked
+            elif name in targets:
                 destinations[name] = _Destination.into(targets[name], name, dtype_from_name(meta["dtype"]))
             elif name in templates and list(templates[name].shape) == meta["shape"]:
                 destinations[name] = _Destination.placed_like(templates[name], meta, name)
             else:
                 destinations[name] = _Destination.fresh(meta)
+    for name, param in lazy.items():
+        destinations[name] = _materialized(param, name, tensors_meta[name])
     converted = sorted(name for name, dest in destinations.items() if dest.converts)
     if converted and rank == 0:
         _warn_converted(step, converted, destinations)
@@ -669,6 +682,16 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                     "not restored (name it in the state, or pass strict=False to restore a part on purpose)",
                     step, ", ".join(map(repr, unasked)))
     return destinations, entries, record
+
+
+def _materialized(param: torch.Tensor, name: str, meta: dict[str, Any]) -> "_Destination":
+    """Where a lazy module's uninitialized parameter or buffer (``nn.LazyLinear`` before its
+    first forward) is restored: made the checkpoint's shape, in place (the module keeps the
+    same object), as ``load_state_dict`` makes it. Before, the restore raised torch's
+    "uninitialized parameter" error and counted every checkpoint as unloadable."""
+    with torch.no_grad():
+        param.materialize(tuple(meta["shape"]))  # type: ignore[attr-defined]
+    return _Destination.into(param, name, dtype_from_name(meta["dtype"]))
 
 
 def _warn_converted(step: int, names: list[str], destinations: dict[str, "_Destination"]) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from urllib.parse import quote
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE
@@ -52,6 +53,9 @@ def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
                 "save tensor.int_repr() with tensor.q_scale() and tensor.q_zero_point(), or tensor.dequantize()")
     if t.is_meta:
         return "it is on the meta device and has no data", _META_REMEDY
+    if is_lazy(t):
+        return ("it is an uninitialized parameter of a lazy module (shape unknown until its first forward)",
+                "run a forward pass first, or restore into it (its shape is then the checkpoint's)")
     try:
         t.untyped_storage().data_ptr()  # a wrapper's own data_ptr() is 0, not an error
     except RuntimeError:

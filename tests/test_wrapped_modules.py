@@ -88,3 +88,45 @@ def test_a_checkpoint_saved_with_the_wrappers_prefix_restores_into_the_same_wrap
     with Checkpointer(root, rng=False) as ckpt:
         assert ckpt.restore({"model": holder}) == 1
     assert _same(holder, _Holder("_orig_mod", model))
+
+
+def _lazy_model():
+    return torch.nn.Sequential(torch.nn.LazyLinear(16), torch.nn.ReLU(), torch.nn.LazyLinear(4),
+                               torch.nn.LazyBatchNorm1d())
+
+
+def test_a_lazy_module_restores_before_its_first_forward_and_refuses_to_save_before_it(root):
+    """``nn.LazyLinear`` and kin have no shape before their first forward. A restore into
+    one used to raise torch's "uninitialized parameter" error for every checkpoint and end
+    blaming them all ("no loadable checkpoint"); ``load_state_dict`` gives them the saved
+    shapes, and so does the restore now. Saving one is refused by key."""
+    from resilient import StateError, UnsupportedStateError
+
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"state\['model/0.weight'\]: .*uninitialized parameter of "
+                                                        r"a lazy module.*run a forward pass first"):
+            ckpt.save(1, {"model": _lazy_model()})
+    torch.manual_seed(0)
+    trained = _lazy_model()
+    x = torch.randn(6, 8)
+    trained(x)
+    _trained(trained)
+    trained.eval()
+    with Checkpointer(root) as ckpt:
+        ckpt.save(3, {"model": trained})
+    # a refused restore materializes nothing (the other entry is missing: checked first)
+    fresh = _lazy_model()
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(StateError, match="key 'optim' is not in the checkpoint"):
+            ckpt.restore({"model": fresh, "optim": {}})
+    assert fresh[0].has_uninitialized_params()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore({"model": fresh}) == 3
+    assert [tuple(p.shape) for p in fresh.parameters()] == [tuple(p.shape) for p in trained.parameters()]
+    fresh.eval()
+    assert torch.equal(fresh(x), trained(x))  # running stats included
+    assert type(fresh[0]) is torch.nn.Linear  # the first forward finished it as torch's own load does
+    optim = torch.optim.Adam(fresh.parameters())  # built after the restore, as torch advises for lazy modules
+    fresh.train()
+    fresh(x).sum().backward()
+    optim.step()
