@@ -307,6 +307,8 @@ class Checkpointer:
         self._order_checked = False  # whether the first save looked for newer steps (``_warn_if_newer``)
         self._last_saved_step: int | None = None  # of the last save issued here (``_decide``)
         self._skip_said: int | None = None  # the step whose repeated saves were last reported
+        self._preempted_step: int | None = None  # saved here since a preemption signal
+        self._saves_called = False  # save() was called, due or not: it saves (``_others_to_save``)
         self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit, _on_hang)
         self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
                                        on_fire=lambda kind, step: self._events.emit("fault", kind=kind, step=step))
@@ -412,6 +414,7 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         state = self._state(state, "save")
+        self._saves_called = True
         if self._faults is not None:
             self._faults.check(step)  # RESILIENT_FAULT: demos and tests
         if self._watchdog is not None:
@@ -474,7 +477,14 @@ class Checkpointer:
         self._events.emit("save_staged", step=step, stall_s=round(handle.staged_at - handle.started, 6),
                           bytes=handle.nbytes, deferred_bytes=handle.deferred_bytes)
         if preempted:
-            self._exit_preempted(step)
+            again = self._preempted_step is not None
+            self._preempted_step = step
+            waiting_for = [] if again else self._others_to_save()
+            if not waiting_for:
+                self._exit_preempted()
+            if self._coord.rank == 0:
+                log.warning("resilient: preempted: step %d of %s is saved; exiting once %s saved too (or at the "
+                            "next save() of this one)", step, self.root, " and ".join(c.root for c in waiting_for))
         if joining:
             self.wait()
             raise GangChange(f"a process joins the gang: step {step} is committed, re-forming")
@@ -552,12 +562,34 @@ class Checkpointer:
             log.info("resilient: save(step=%d) skipped: this step was saved already (a save per micro-batch?); "
                      "force=True saves it again", step)
 
-    def _exit_preempted(self, step: int) -> None:
-        """Commit ``step``, drain it to the remote tier within the grace, then end the process
-        with status 0: the platform kills it soon anyway, and nothing is lost."""
+    def _others_to_save(self) -> list["Checkpointer"]:
+        """This process's other open Checkpointers that have not saved since the signal (an
+        EMA model's, an export's): the process exits once they have, or at this one's next
+        save. Before, the first one's preempted save exited the process, and the others'
+        newest steps were those before the signal."""
+        return [c for c in list(_OPEN) if c is not self and not c._closed and c._preemption is not None
+                and c._saves_called  # one whose save() was never called only reads (a base model's)
+                and c._preempted_step is None]
+
+    def _exit_preempted(self) -> None:
+        """Commit the preempted steps of every Checkpointer of this process, drain them to
+        the remote tier within the grace, then end the process with status 0: the platform
+        kills it soon anyway, and nothing is lost."""
         watch = self._preemption
         started = watch.at if watch is not None and watch.at is not None else time.monotonic()
         deadline = started + grace_seconds()
+        for ckpt in [c for c in list(_OPEN) if not c._closed and c._preempted_step is not None]:
+            ckpt._drain_preempted(started, deadline)
+        if watch is not None:
+            watch.settled()
+        for ckpt in list(_OPEN):  # the others' saves in flight, within what is left of the grace
+            ckpt.close()
+        raise SystemExit(0)
+
+    def _drain_preempted(self, started: float, deadline: float) -> None:
+        """Commit this Checkpointer's preempted step and drain it, by ``deadline``."""
+        step = self._preempted_step
+        watch = self._preemption
         self.wait(max(0.0, deadline - time.monotonic()))
         local_s = time.monotonic() - started
         remote_s = None
@@ -568,14 +600,10 @@ class Checkpointer:
             except (TimeoutError, RuntimeError) as exc:
                 log.warning("resilient: preempted: step %d is committed on this node's disk, not on %s within the "
                             "grace (%s); a Checkpointer started on this node uploads it", step, self._remote.url, exc)
-        if watch is not None:
-            watch.settled()
         self._events.emit("preempted", step=step, signal=watch.signal if watch else None,
                           local_s=round(local_s, 3), remote_s=None if remote_s is None else round(remote_s, 3))
-        log.warning("resilient: preempted: step %d committed %.2f s after the signal%s; exiting", step, local_s,
-                    "" if remote_s is None else f", on the remote tier after {remote_s:.2f} s")
-        self.close()
-        raise SystemExit(0)
+        log.warning("resilient: preempted: step %d of %s committed %.2f s after the signal%s; exiting", step,
+                    self.root, local_s, "" if remote_s is None else f", on the remote tier after {remote_s:.2f} s")
 
     def _layout_plan(self, flat: Flattened) -> RankPlan:
         """This rank's plan, made again (together: it is collective) when any rank's layout

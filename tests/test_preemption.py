@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from resilient import Checkpointer
 
@@ -142,3 +143,59 @@ def test_a_preempted_save_whose_remote_tier_is_down_still_exits_within_the_grace
     assert "background writer still busy" not in out  # it had committed the step
     with Checkpointer(root) as ckpt:
         assert ckpt.latest() == preempted[0]["step"]
+
+
+_TWO_CHECKPOINTERS = """
+import sys, time, torch
+from resilient import Checkpointer
+root, every_ema = sys.argv[1], int(sys.argv[2])
+with Checkpointer(root + "/base") as base:
+    base.save(0, {"w": torch.zeros(4)})
+base = Checkpointer(root + "/base")  # only read from (a pretrained model's): nothing to wait for
+base.restore({"w": torch.ones(4)})
+model, ema = torch.zeros(1000), torch.zeros(1000)
+train = Checkpointer(root + "/train", every=1000)
+averaged = Checkpointer(root + "/ema", every=1000)
+for step in range(1, 100000):
+    model += 1
+    ema.mul_(0.5).add_(model, alpha=0.5)
+    train.save(step, {"model": model})
+    if step % every_ema == 0:  # every step, or only now and then
+        averaged.save(step, {"ema": ema})
+    print("step", step, flush=True)
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("every_ema", [1, 50000])
+def test_a_signal_saves_every_checkpointer_of_the_process_before_it_exits(tmp_path, every_ema):
+    """An EMA model in a root of its own: the process exits once both have saved the step
+    the signal came in. Before, the first one's save exited the process and the EMA's newest
+    step was the one before the signal. A Checkpointer whose save() is not called that step
+    (saving only now and then) holds the exit back one step, not more."""
+    env = {**os.environ, "PYTHONPATH": REPO, "RESILIENT_PREEMPT_GRACE": "20"}
+    proc = subprocess.Popen([sys.executable, "-c", _TWO_CHECKPOINTERS, str(tmp_path), str(every_ema)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        while not proc.stdout.readline().startswith("step 20"):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    last = max([20] + [int(line.split()[1]) for line in out.splitlines() if line.startswith("step ")])
+    with Checkpointer(str(tmp_path / "train")) as train, Checkpointer(str(tmp_path / "ema")) as ema:
+        trained = train.latest()
+        if every_ema == 1:
+            assert trained == ema.latest() and trained >= last, (trained, ema.latest(), last, out[-3000:])
+            state = {"model": torch.zeros(1000)}
+            train.restore(state)
+            averaged = {"ema": torch.zeros(1000)}
+            ema.restore(averaged)
+            assert state["model"][0].item() == trained and averaged["ema"][0].item() > trained - 2
+            assert f"exiting once {tmp_path / 'ema'} saved too" in out, out[-3000:]
+        else:  # the EMA saved nothing since the signal: the train root's next save ended it
+            assert ema.latest() is None and trained == last + 1, (trained, last, out[-3000:])
+    assert "base saved too" not in out, out[-3000:]
