@@ -8,6 +8,9 @@ because writing it would need pickle, and a checkpoint must never run code when 
 
 from __future__ import annotations
 
+import datetime
+import enum
+import os
 import re
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -192,8 +195,25 @@ def _remedy(obj: Any) -> str:
         if type(obj).__name__ == "ndarray":
             return "store torch.from_numpy(value) (restored as a tensor; .numpy() gives the array back)"
         return "store value.item() (a Python number, restored as one)"
+    for kinds, instead in _INSTEAD:
+        if isinstance(obj, kinds):
+            return f"store {instead}"
     return ("store tensors, numbers, strings, lists and dicts, or an object with "
             "state_dict()/load_state_dict()")
+
+
+#: the plain value that keeps each of these whole, for the error that refuses them: values
+#: a config or a sampler holds, which torch.save pickled
+_INSTEAD: list[tuple[type | tuple[type, ...], str]] = [
+    (enum.Enum, "value.name or value.value (and look the member up again at restore)"),
+    (os.PathLike, "str(value) (restored as a string)"),
+    ((set, frozenset), "sorted(value) (restored as a list)"),
+    ((bytes, bytearray), "torch.frombuffer(bytearray(value), dtype=torch.uint8) (restored as a tensor; "
+                         "bytes(tensor.numpy()) gives them back)"),
+    ((datetime.datetime, datetime.date), "value.isoformat() (datetime.fromisoformat gives it back)"),
+    ((torch.dtype, torch.device), "str(value) (restored as a string)"),
+    (complex, "[value.real, value.imag]"),
+]
 
 
 def flatten_state(state: Mapping[str, Any], rank: int = 0) -> Flattened:

@@ -1,12 +1,19 @@
 """Bad input gets one clear error and changes nothing."""
 
+import datetime
+import enum
 import os
+import pathlib
 
 import numpy as np
 import pytest
 import torch
 
 from resilient import Checkpointer, CommitError, StateError, StorageError, UnsupportedStateError
+
+
+class _Split(enum.Enum):
+    TRAIN = 1
 
 
 def test_unwritable_root_is_named(tmp_path):
@@ -29,6 +36,14 @@ def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
             ckpt.save(1, {"w": torch.ones(2), "perm": np.arange(4)})
         with pytest.raises(UnsupportedStateError, match=r"state\['meta/best'\]: .*numpy.float32 .*value.item\(\)"):
             ckpt.save(1, {"w": torch.ones(2), "meta": {"best": np.float32(0.5)}})
+        # values a config or sampler holds, each with the plain value that keeps it whole
+        # (was the same generic remedy for all of them)
+        for value, instead in [(pathlib.Path("/data/shard-3"), r"str\(value\)"), ({3, 1}, r"sorted\(value\)"),
+                               (b"\x00\x01", r"torch.frombuffer\(bytearray\(value\), dtype=torch.uint8\)"),
+                               (datetime.date(2026, 12, 6), r"value.isoformat\(\)"),
+                               (torch.bfloat16, r"str\(value\)"), (_Split.TRAIN, r"value.name or value.value")]:
+            with pytest.raises(UnsupportedStateError, match=rf"state\['cfg/x'\]: .*; store {instead}"):
+                ckpt.save(1, {"w": torch.ones(2), "cfg": {"x": value}})
         # an int key and its text: both keys as given, and the name they share (was "'1' and '1'")
         with pytest.raises(UnsupportedStateError, match=r"state\['meta'\]: keys 1 and '1' are both named 'meta/1'"):
             ckpt.save(1, {"w": torch.ones(2), "meta": {1: "a", "1": "b"}})
