@@ -688,26 +688,29 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed on the local tier.
 
-        Raises ``CommitError`` for the first save that failed (after waiting for all), and
+        Raises ``CommitError`` for the first save that failed (after waiting for all; it names
+        the later ones that failed too), and
         ``TimeoutError`` when ``timeout`` seconds pass first.
         """
         self._pause_watchdog()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             handles, self._handles = self._handles, []
-        first_error: BaseException | None = None
+        failed: list[CommitError] = []
         for handle in handles:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 handle.result(left)
             except CommitError as exc:
-                first_error = first_error or exc
+                failed.append(exc)
             except TimeoutError:
                 with self._lock:
                     self._handles = [h for h in handles if not h.done()] + self._handles
                 raise
-        if first_error is not None:
-            raise first_error
+        if len(failed) == 1:
+            raise failed[0]
+        if failed:
+            raise CommitError(failed[0].step, failed[0].failures, [e.step for e in failed[1:]]) from failed[0]
 
     def flush(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed on the remote tier too.

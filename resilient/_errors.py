@@ -7,6 +7,8 @@ also in the built-in a caller would already catch for that kind of trouble, so t
 
 from __future__ import annotations
 
+from typing import Sequence
+
 __all__ = [
     "ResilientError",
     "StateError",
@@ -44,11 +46,17 @@ class CommitError(ResilientError):
     one rank and the symptom on all of them.
     """
 
-    def __init__(self, step: int, failures: dict[int, str]) -> None:
+    def __init__(self, step: int, failures: dict[int, str], later: Sequence[int] = ()) -> None:
         self.step = step
         self.failures = dict(failures)
+        self.later = list(later)  # steps whose saves failed after this one (``Checkpointer.wait``)
         detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in sorted(self.failures.items()))
-        super().__init__(f"checkpoint for step {step} was not committed ({detail})")
+        also = ""
+        if self.later:  # at close, "step 1 was not committed" alone hid that every save since had failed
+            shown = ", ".join(map(str, self.later[:8])) + (", ..." if len(self.later) > 8 else "")
+            also = f"; the saves of {len(self.later)} later step(s) failed too ({shown}), the newest at step " \
+                   f"{self.later[-1]}"
+        super().__init__(f"checkpoint for step {step} was not committed ({detail}){also}")
 
 
 class GangChange(ResilientError):

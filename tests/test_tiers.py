@@ -416,6 +416,11 @@ def test_full_local_disk_fails_that_save_cleanly_and_training_goes_on(tiny_disk,
         ckpt.save(3, small)  # training and saving go on
         ckpt.wait()
         assert ckpt.latest() == 3 and ckpt.stats["saves_failed"] == 1 and ckpt.stats["saves_committed"] == 2
+        for step in (4, 5, 6):  # three that fail before the next wait: it names all of them
+            ckpt.save(step, big)
+        with pytest.raises(CommitError, match=r"step 4 was not committed \(.*No space left.*\); the saves of 2 "
+                                              r"later step\(s\) failed too \(5, 6\), the newest at step 6$"):
+            ckpt.wait()
     assert any("No space left" in r.getMessage() for r in caplog.records)
     assert sorted(n for n in os.listdir(tiny_disk) if n.startswith("step-")) == ["step-0000000001", "step-0000000003"]
     assert os.listdir(os.path.join(tiny_disk, ".pending")) == []  # the failed save left nothing behind
