@@ -135,6 +135,29 @@ def _refuse_different_remotes(urls: list[object]) -> None:
                          "rank, made once (e.g. by the launcher, in an environment variable), not per rank")
 
 
+def same_url(a: str, b: str) -> bool:
+    """Whether two remote URLs name one place (a trailing slash aside)."""
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def _refuse_another_runs_steps(root: str, remote: str | None, found: list[str | None]) -> None:
+    """Raise on every rank when a node's local root holds checkpoints saved for another
+    remote tier. Why: a job on a node reused with the same local path (``/nvme/ckpt``)
+    restored the previous run's newest step as its own, and uploaded that run's checkpoints
+    into its own remote prefix; nothing said so."""
+    ranks = [rank for rank, url in enumerate(found) if url is not None]
+    if not ranks:
+        return
+    other = found[ranks[0]]
+    raise StorageError(
+        errno.EEXIST,
+        f"the local root {root} (on rank {ranks[0]}'s node{' and others' if len(ranks) > 1 else ''}) holds "
+        f"checkpoints saved for the remote tier {other}, not for this run's {remote}: they are another run's. "
+        "Give this run a local root of its own (the run's name in the path), or remove them "
+        f"(resilient-ckpt prune {root} --after -1); if they are this run's and only its remote moved, remove "
+        f"{os.path.join(root, REMOTE_RECORD)}")
+
+
 class Checkpointer:
     """Asynchronous, sharded, crash-consistent checkpoints of a training job.
 
@@ -274,10 +297,12 @@ class Checkpointer:
         # an in-process recovery's Checkpointer (a later generation) does not ask again
         asks = self._remote is not None and self._coord.rank == 0 and not _generation
         missing = missing_bucket(self._remote) if asks else None
-        gathered = self._coord.all_gather([remote, missing])
-        _refuse_different_remotes([url for url, _ in gathered])
+        stale = self._saved_for_another_remote(remote) if self._coord.is_leader else None
+        gathered = self._coord.all_gather([remote, missing, stale])
+        _refuse_different_remotes([url for url, _, _ in gathered])
         if gathered[0][1] is not None:
             raise StorageError(errno.ENOENT, gathered[0][1])
+        _refuse_another_runs_steps(self.root, remote, [found for _, _, found in gathered])
         if self._coord.is_leader:
             if remote is not None:  # so that resilient-ckpt can show both tiers (no credentials)
                 self._local_storage.write(REMOTE_RECORD, [json.dumps({"url": remote}).encode()])
@@ -362,6 +387,21 @@ class Checkpointer:
         _OPEN.add(self)
         # SIGTERM / SIGUSR1: the next save() checkpoints that step and exits (see _preempt)
         self._preemption = watch_preemption()
+
+    def _saved_for_another_remote(self, remote: str | None) -> str | None:
+        """(leader) The remote tier this local root's checkpoints were saved for, when it is
+        not ``remote``: they are another run's (a node reused with the same local path). None
+        when they are this run's, or when the root records no remote (a run that adds one
+        uploads what it saved before)."""
+        if remote is None or not self._local_storage.exists(REMOTE_RECORD):
+            return None
+        try:
+            recorded = json.loads(self._local_storage.read(REMOTE_RECORD))["url"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # unreadable: as if unrecorded
+        if not isinstance(recorded, str) or same_url(recorded, remote) or not self._tier.committed_steps():
+            return None
+        return recorded
 
     def _claim_root(self) -> None:
         """Before the first save writes anything: leaders claim the root for this job (see

@@ -1016,3 +1016,36 @@ def test_a_step_committed_while_the_uploader_lists_the_remote_tier_is_this_gangs
             if u is not None:
                 u.close()
     assert remote_steps(flaky, {}) == [1]
+
+
+def test_a_local_root_holding_another_remotes_checkpoints_is_refused(tmp_path):
+    """A node reused with the same local path: the new run (its own remote prefix) restored
+    the previous run's newest step as its own and uploaded that run's checkpoints into its
+    prefix, without a word. Now it is refused, naming both remotes and the remedies."""
+    from resilient import StorageError
+    from resilient.ckpt import main
+
+    local, bucket = str(tmp_path / "nvme"), tmp_path / "bucket"
+    first, second = f"file://{bucket}/run-42", f"file://{bucket}/run-43"
+    with Checkpointer(local, remote=first) as ckpt:
+        for step in (100, 200):
+            ckpt.save(step, {"w": torch.full((4,), float(step))}, force=True)
+        ckpt.flush(30)
+    with pytest.raises(StorageError, match=rf"the local root {local} .*holds checkpoints saved for the remote tier "
+                                           rf"{first}, not for this run's {second}: they are another run's.*"
+                                           rf"prune {local} --after -1.*remove {local}/.remote.json"):
+        Checkpointer(local, remote=second)
+    assert not (bucket / "run-43").exists() or not os.listdir(bucket / "run-43")  # nothing uploaded there
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(local, remote=first + "/") as ckpt:  # the same remote, however spelt: its own
+        assert ckpt.restore(state) == 200
+    # the remote moved (copied to run-43): removing the record says the steps are this run's
+    os.remove(os.path.join(local, ".remote.json"))
+    with Checkpointer(local, remote=second) as ckpt:
+        assert ckpt.restore(state) == 200
+        ckpt.flush(30)
+    assert {"step-0000000100", "step-0000000200"} <= set(os.listdir(bucket / "run-43"))
+    # another run's steps removed: a third run starts afresh on the same node
+    assert main(["prune", local, "--after", "-1"]) == 0
+    with Checkpointer(local, remote=f"file://{bucket}/run-44") as ckpt:
+        assert ckpt.restore({"w": torch.zeros(4)}) == 0

@@ -246,8 +246,8 @@ def cmd_prune(a: argparse.Namespace) -> int:
         raise Usage("give one of --keep K and --after STEP")
     if a.keep is not None and a.keep < 1:
         raise Usage(f"--keep must be >= 1, got {a.keep}")
-    if a.after is not None and a.after < 0:
-        raise Usage(f"--after must be >= 0, got {a.after}")
+    if a.after is not None and a.after < -1:  # -1: every checkpoint, step 0's too
+        raise Usage(f"--after must be >= -1 (-1 deletes every checkpoint), got {a.after}")
     catalog = _catalog(a.root, a.storage_options)
     entries = catalog.entries()
     consistent = [e.step for e in entries if e.state == COMMITTED]
@@ -367,7 +367,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", type=int, metavar="K", help="keep the newest K consistent checkpoints")
     sp.add_argument("--after", type=int, metavar="STEP",
                     help="delete every checkpoint after STEP: the steps a rollback to STEP abandons, which a "
-                         "restart would otherwise resume from")
+                         "restart would otherwise resume from (-1: every checkpoint)")
     sp.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     sp = add("timeline", cmd_timeline, "a run's recovery timeline and goodput, from its event log")
     sp.add_argument("log", metavar="RUN_LOG", help="the JSON-lines event log (RESILIENT_EVENT_LOG)")
