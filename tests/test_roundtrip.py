@@ -310,6 +310,30 @@ def test_host_memory_does_not_grow_across_saves(root):
     assert grown < 12 << 20, f"RSS grew by {grown >> 20} MiB over 10 saves of 16 MiB"
 
 
+def test_a_loop_that_never_waits_holds_no_memory_per_save(root, caplog):
+    """Every save's handle was kept until the next wait(), ~2 kB each: a loop that never
+    waits (saving often, for days) grew by 2 GB a million saves."""
+    import logging
+    import tracemalloc
+
+    caplog.set_level(logging.WARNING, logger="resilient")  # the test's log capture keeps every record
+    state = {"w": torch.ones(4)}
+    with Checkpointer(root, keep=1) as ckpt:
+        for step in range(100):
+            ckpt.save(step, state)
+        tracemalloc.start()
+        try:
+            ckpt.save(100, state).result()
+            before = tracemalloc.get_traced_memory()[0]
+            for step in range(101, 601):
+                ckpt.save(step, state)
+            ckpt.save(601, state).result()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    assert grown < 200_000, f"{grown} bytes held after 500 more saves"
+
+
 def test_save_returns_before_commit_and_commits_by_itself(root):
     state = {"big": torch.randn(64 << 20 // 4)}
     with Checkpointer(root) as ckpt:
