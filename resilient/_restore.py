@@ -291,14 +291,15 @@ class _Destination:
         self.value: torch.Tensor = live if live is not None else local
 
     @classmethod
-    def into(cls, live: torch.Tensor, name: str, saved: torch.dtype) -> "_Destination":
-        """Into ``live``, whose saved bytes are of dtype ``saved`` (converted at ``finish``
-        when the live tensor's differs)."""
+    def into(cls, live: torch.Tensor, name: str, saved: torch.dtype | None = None) -> "_Destination":
+        """Into ``live``, whose saved bytes are of dtype ``saved`` (default: the live
+        tensor's; converted at ``finish`` when it differs)."""
         if is_dtensor(live):
             box = dtensor_box(live, name)
             local = local_tensor(live)
         else:
             box, local = Box((0,) * live.dim(), tuple(live.shape)), live
+        saved = local.dtype if saved is None else saved
         direct = local.is_cpu and local.is_contiguous() and local.dtype == saved
         if direct:  # detached only when it must be: ~5 µs a tensor, at every restore
             buffer = local.detach() if local.requires_grad else local
