@@ -19,6 +19,7 @@ from ._errors import CheckpointCorruptError
 from ._format import BAD_DIR, MANIFEST, decode_manifest, dtype_from_name, parse_step_dir, step_dir_name
 from ._layout import Box
 from ._storage import LocalStorage, Storage, the_missing_bucket
+from ._saved_trees import whole_tree
 
 if TYPE_CHECKING:
     import torch
@@ -269,7 +270,7 @@ class Catalog:
         memory a tensor is read into (export maps files, to bound memory)."""
         from ._tree import build_value  # here: ``_tree`` imports torch, which the CLI's listings never need
 
-        entries = dict(manifest["ranks"][0]["tree"]["items"])
+        entries = dict(whole_tree(manifest)["items"])  # every rank's names (pipeline stages')
         tensors: dict[str, torch.Tensor] = {}
 
         def tensor(name: str) -> torch.Tensor:

@@ -315,7 +315,7 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
             raise CommitError(
                 step,
                 {r.header["rank"]: f"its state differs from rank {first.header['rank']}'s at {keys[:5]} "
-                 "(every rank must save the same names, shapes and dtypes)"},
+                 "(a name must be one dtype and shape on every rank that holds it)"},
             )
     kept = [r.header.get("kept", {}).keys() for r in reports]
     files_of = tuple(r.header["file"] for r in reports)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import logging
 import os
 import socket
@@ -60,6 +59,7 @@ from ._layout import Box, contiguous_range, intersect
 from ._snapshot import bitwise, dtensor_box, is_dtensor, local_tensor, storage_shortfall
 from ._per_rank import PerRank, Reshard
 from ._rng import decode_rng
+from ._saved_trees import partitioned_entries
 from ._tree import build_value, flatten_target, is_stateful, per_rank_path, tensor_names, without_plain_bytes
 from ._wrappers import state_holder
 
@@ -428,16 +428,16 @@ def _saved_keys(node: dict[str, Any]) -> list[Any]:
 
 
 def _plan_entry(key: str, target: Any, node: dict[str, Any], manifest: dict[str, Any], rank: int,
-                world_size: int) -> tuple[_Entry, str]:
-    """(the entry's restore plan, the path its live tensors are named under)."""
+                world_size: int, parts: tuple[dict[str, Any], str | None] | None) -> tuple[_Entry, str]:
+    """(the entry's restore plan, the path its live tensors are named under). ``parts``:
+    the entry's ranks' nodes joined, and where their values first disagree, when they differ."""
     if node["t"] != "per_rank":
-        resized = manifest["world_size"] != world_size
-        trees = {id(r["tree"]): r["tree"] for r in manifest["ranks"]}.values() if resized else []  # shared in format 2
-        if resized and len({json.dumps(dict(t["items"]).get(key)) for t in trees}) > 1:
-            log.warning("resilient: key %r differs by rank in the checkpoint of step %d (saved by %d ranks); "
-                        "at %d ranks, ranks beyond the old world get rank 0's. Wrap it in "
-                        "resilient.PerRank(..., reshard=...) to decide", key, manifest["step"],
-                        manifest["world_size"], world_size)
+        where = parts[1] if parts is not None else None
+        if manifest["world_size"] != world_size and where is not None and rank == 0:
+            log.warning("resilient: key %r differs by rank in the checkpoint of step %d (saved by %d ranks), "
+                        "first at %r; at %d ranks, each rank gets that of the old rank of its number (rank "
+                        "0's beyond the old world). Wrap it in resilient.PerRank(..., reshard=...) to decide",
+                        key, manifest["step"], manifest["world_size"], where, world_size)
         return _Entry(key, target, [node], None), key
     if manifest["world_size"] == world_size:
         return _Entry(key, target, [node["sd"]], None), per_rank_path(key, rank)
@@ -619,6 +619,8 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
     step = manifest["step"]
     record = manifest["ranks"][rank if rank < manifest["world_size"] else 0]
     saved_entries = dict(record["tree"]["items"])
+    partitioned = partitioned_entries(manifest, rank)  # pipeline stages' entries: every rank's names
+    saved_entries.update({key: node for key, (node, _) in partitioned.items()})
     tensors_meta = manifest["tensors"]
 
     # -- phase 1: check, and decide where every tensor goes ---------------------------------
@@ -635,7 +637,7 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 f"key {key!r} is not in the checkpoint of step {step} "
                 f"(it holds: {', '.join(map(repr, saved_entries)) or 'nothing'})"
             )
-        entry, path = _plan_entry(key, target, node, manifest, rank, world_size)
+        entry, path = _plan_entry(key, target, node, manifest, rank, world_size, partitioned.get(key))
         entries.append(entry)
         # Tensors the target already holds are filled in place (so DTensors keep their
         # sharding); everything else is built fresh from the checkpoint.
@@ -652,9 +654,11 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 _warn_nothing_matched(key, step, sorted(live), sorted(saved_names))
         for name, t in targets.items():
             _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
-        if isinstance(entry.inner, torch.nn.Module) and path:
+        # a module takes only its own names; so does an entry saved in parts (pipeline stages:
+        # the other stages' names are theirs), unless it holds no tensor to say which it takes
+        if path and (isinstance(entry.inner, torch.nn.Module) or (key in partitioned and targets)):
             extra = sorted(saved_names - set(targets))
-            if extra and strict:
+            if extra and strict and key not in partitioned:
                 raise StateError(f"key {key!r}: the checkpoint of step {step} has entries the module lacks: {extra[:5]}")
             saved_names -= set(extra)
             entry.sources = [_without(source, set(extra)) for source in entry.sources]

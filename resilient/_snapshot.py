@@ -242,8 +242,9 @@ def find_aliases(tensors: dict[str, torch.Tensor], skip: set[str]) -> dict[str, 
 
 def describe(tensors: dict[str, torch.Tensor], per_rank: set[str], *, alone: bool = False) -> dict[str, list[list[Any]]]:
     """What this rank holds, for every rank to plan from: its boxes of sharded tensors (its
-    per-rank tensors are a whole box only it holds) and a fingerprint of each plain one
-    (not computed when the rank is ``alone``: nothing to compare with)."""
+    per-rank tensors are a whole box only it holds), each with the tensor's dtype and global
+    shape, and each plain one's dtype, shape and fingerprint (not computed when the rank is
+    ``alone``: nothing to compare with)."""
     sharded: list[list[Any]] = []
     plain: list[list[Any]] = []
     aliases = find_aliases(tensors, per_rank)
@@ -251,19 +252,19 @@ def describe(tensors: dict[str, torch.Tensor], per_rank: set[str], *, alone: boo
         if name in aliases:
             continue
         if name in per_rank:
-            sharded.append([name, [0] * t.dim(), list(t.shape), dtype_name(t.dtype)])
+            sharded.append([name, [0] * t.dim(), list(t.shape), dtype_name(t.dtype), list(t.shape)])
         elif is_dtensor(t):
             box = dtensor_box(t, name)
-            sharded.append([name, list(box.offsets), list(box.sizes), dtype_name(t.dtype)])
+            sharded.append([name, list(box.offsets), list(box.sizes), dtype_name(t.dtype), list(t.shape)])
         else:
-            plain.append([name, 0 if alone else fingerprint(t)])
+            plain.append([name, 0 if alone else fingerprint(t), dtype_name(t.dtype), list(t.shape)])
     return {"sharded": sharded, "plain": plain, "aliases": sorted(aliases.items())}
 
 
 def _refuse_rank_dependent(descriptions: list[dict[str, list[list[Any]]]]) -> None:
     values: dict[str, set[int]] = {}
     for d in descriptions:
-        for name, fp in d["plain"]:
+        for name, fp, _, _ in d["plain"]:
             values.setdefault(name, set()).add(fp)
     differ = [name for name, fps in values.items() if len(fps) > 1]
     if differ:
@@ -271,7 +272,9 @@ def _refuse_rank_dependent(descriptions: list[dict[str, list[list[Any]]]]) -> No
             f"state{differ[:5]!r}: plain tensors that differ across ranks ({len(differ)} in all). "
             "A plain tensor is saved once, as state every rank shares, so every rank would get "
             "one rank's copy back. Keep state that differs by rank in an entry wrapped in "
-            "resilient.PerRank(...), or make it a DTensor"
+            "resilient.PerRank(...), or make it a DTensor; key an optimizer's state by parameter name "
+            "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict) when ranks hold different "
+            "parameters (pipeline stages)"
         )
 
 
@@ -285,7 +288,7 @@ def _assign_writers(descriptions: list[dict[str, list[list[Any]]]]) -> dict[tupl
     holders: dict[tuple, list[int]] = {}
     nbytes: dict[tuple, int] = {}
     for rank, d in enumerate(descriptions):
-        for name, offsets, sizes, dtype in d["sharded"]:
+        for name, offsets, sizes, dtype, _ in d["sharded"]:
             key = (name, tuple(offsets), tuple(sizes))
             holders.setdefault(key, []).append(rank)
             nbytes[key] = math.prod(sizes) * dtype_itemsize(dtype)
@@ -298,6 +301,67 @@ def _assign_writers(descriptions: list[dict[str, list[list[Any]]]]) -> dict[tupl
     return writers
 
 
+def _held_by_all(descriptions: list[dict[str, list[list[Any]]]]) -> set[str]:
+    """The plain tensors every rank holds (aliases aside): replicated state."""
+    counts: dict[str, int] = {}
+    for d in descriptions:
+        for name, _, _, _ in d["plain"]:
+            counts[name] = counts.get(name, 0) + 1
+    return {name for name, count in counts.items() if count == len(descriptions)}
+
+
+def _refuse_one_name_for_two_tensors(descriptions: list[dict[str, list[list[Any]]]]) -> None:
+    """Raise, on every rank alike, when ranks hold tensors of one name with different
+    dtypes, global shapes, or one plain and one a DTensor: a checkpoint name is one tensor.
+    The usual cause is an optimizer under pipeline parallelism, whose state each stage keys
+    0, 1, 2, ... for its own parameters."""
+    seen: dict[str, tuple[Any, int]] = {}
+    for rank, d in enumerate(descriptions):
+        kinds = [(name, ("plain", dtype, tuple(shape))) for name, _, dtype, shape in d["plain"]]
+        kinds += [(name, ("sharded", dtype, tuple(shape))) for name, _, _, dtype, shape in d["sharded"]]
+        for name, kind in kinds:
+            first = seen.setdefault(name, (kind, rank))
+            if first[0] != kind:
+                (k0, dt0, sh0), r0 = first
+                k1, dt1, sh1 = kind
+                raise UnsupportedStateError(
+                    f"state[{name!r}] is not one tensor on every rank that holds it: rank {r0} has "
+                    f"{'a DTensor' if k0 == 'sharded' else 'a tensor'} of {dt0} {list(sh0)}, rank {rank} "
+                    f"{'a DTensor' if k1 == 'sharded' else 'a tensor'} of {dt1} {list(sh1)}. Keep state that "
+                    "differs by rank in resilient.PerRank(...); key an optimizer's state by parameter name "
+                    "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict) when stages hold "
+                    "different parameters")
+
+
+def _global_meta(tensors: dict[str, torch.Tensor], per_rank: set[str], descriptions: list[dict[str, list[list[Any]]]],
+                 rank: int, everywhere: set[str]) -> dict[str, dict[str, Any]]:
+    """Every rank's tensors' dtype, shape and layout: the same on every rank (this rank's
+    first, in its order, then the others' it lacks)."""
+    meta: dict[str, dict[str, Any]] = {}
+    aliases = dict(descriptions[rank]["aliases"])
+
+    def layout(name: str, dtensor: bool) -> str:
+        return "sharded" if dtensor or name not in everywhere else "replicated"
+
+    for name, t in tensors.items():
+        if name in per_rank:
+            continue
+        meta[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        if name in aliases:
+            meta[name]["same_as"] = aliases[name]
+        meta[name]["layout"] = layout(aliases.get(name, name), is_dtensor(t))
+    for d in descriptions:  # every rank's per-rank tensors, and what only other ranks hold
+        for name, _, dtype, shape in d["plain"]:
+            meta.setdefault(name, {"dtype": dtype, "shape": shape, "layout": layout(name, False)})
+        for name, _, _, dtype, shape in d["sharded"]:
+            meta.setdefault(name, {"dtype": dtype, "shape": shape, "layout": "sharded"})
+    for d in descriptions:
+        for name, source in d["aliases"]:
+            if name not in meta and source in meta:
+                meta[name] = {**meta[source], "same_as": source}
+    return meta
+
+
 def plan_rank(
     tensors: dict[str, torch.Tensor],
     per_rank: set[str],
@@ -306,30 +370,27 @@ def plan_rank(
     world_size: int,
 ) -> RankPlan:
     """This rank's part of a save, from every rank's ``describe`` (the same list on all
-    ranks, so every rank computes the same global decisions)."""
+    ranks, so every rank computes the same global decisions).
+
+    A plain tensor every rank holds is replicated state: its bytes are split over all
+    ranks. One that only some ranks hold (a pipeline stage's layers, the same names on the
+    stage's data-parallel replicas) is written whole, once, by one of its holders, as a
+    sharded tensor of one box. The manifest's tensors are every rank's, so every rank
+    computes the same ``meta``, whatever part of it this rank holds."""
+    _refuse_one_name_for_two_tensors(descriptions)
     _refuse_rank_dependent(descriptions)
-    writers = _assign_writers(descriptions)
-    meta: dict[str, dict[str, Any]] = {}
-    replicated_sizes: list[tuple[str, int]] = []
+    everywhere = _held_by_all(descriptions)
+    boxes = [{"sharded": d["sharded"] + [[name, [0] * len(shape), shape, dtype, shape]
+                                         for name, _, dtype, shape in d["plain"] if name not in everywhere]}
+             for d in descriptions]
+    writers = _assign_writers(boxes)
+    meta = _global_meta(tensors, per_rank, descriptions, rank, everywhere)
+    replicated_sizes = [(name, math.prod(shape) * dtype_itemsize(dtype))
+                        for name, _, dtype, shape in descriptions[0]["plain"] if name in everywhere]
     blobs: list[Blob] = []
     shards: list[list[Any]] = []
     offset = 0
-    aliases = dict(descriptions[rank]["aliases"])
-    for name, t in tensors.items():
-        if name in per_rank:
-            continue
-        meta[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-        if name in aliases:
-            meta[name]["same_as"] = aliases[name]
-            meta[name]["layout"] = "sharded" if is_dtensor(t) else "replicated"
-        elif not is_dtensor(t):
-            meta[name]["layout"] = "replicated"
-            replicated_sizes.append((name, t.numel() * t.element_size()))
-    for d in descriptions:  # every rank's per-rank tensors are in the manifest
-        for name, offsets, sizes, dtype in d["sharded"]:
-            meta.setdefault(name, {"dtype": dtype, "shape": sizes})
-            meta[name]["layout"] = "sharded"
-    for name, offsets, sizes, _ in descriptions[rank]["sharded"]:
+    for name, offsets, sizes, _, _ in boxes[rank]["sharded"]:
         box = Box(tuple(offsets), tuple(sizes))
         if writers[(name, box.offsets, box.sizes)] == rank and box.numel:
             nbytes = box.numel * tensors[name].element_size()

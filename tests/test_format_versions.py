@@ -224,6 +224,7 @@ def test_a_resized_restore_warns_of_an_entry_that_differs_by_rank_once_per_disti
     named (ranks beyond the old world get rank 0's). Ranks sharing one tree (format 2) are
     compared once; trees of format 1, one object per rank, still each count."""
     from resilient._restore import _plan_entry
+    from resilient._saved_trees import partitioned_entries
 
     def tree(seen):
         return {"t": "dict", "items": [["meta", {"t": "dict", "items": [["seen", {"t": "v", "v": seen}]]}]]}
@@ -234,8 +235,10 @@ def test_a_resized_restore_warns_of_an_entry_that_differs_by_rank_once_per_disti
     for manifest, warned in ((alike, False), (differing, True)):
         caplog.clear()
         node = dict(manifest["ranks"][0]["tree"]["items"])["meta"]
-        _plan_entry("meta", {}, node, manifest, rank=0, world_size=2)
+        _plan_entry("meta", {}, node, manifest, rank=0, world_size=2,
+                    parts=partitioned_entries(manifest, 0).get("meta"))
         assert ("'meta' differs by rank" in caplog.text) is warned
+        assert ("first at 'meta/seen'" in caplog.text) is warned
 
 
 def test_a_manifest_of_a_newer_format_is_refused_not_stepped_back_from(root):

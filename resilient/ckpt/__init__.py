@@ -19,6 +19,7 @@ from .._format import REMOTE_RECORD, dtype_itemsize
 from .._errors import CheckpointCorruptError, StorageError
 from .._exit import run_and_exit
 from .._policy import KeepLast, to_delete
+from .._saved_trees import whole_tree
 from .._storage import is_remote, open_storage
 from .._transfer import copy_step
 from ._export import FORMATS, ExportError, export
@@ -139,7 +140,7 @@ def cmd_show(a: argparse.Namespace) -> int:
     tensors = [{"name": n, "dtype": t["dtype"], "shape": t["shape"],
                 "bytes": dtype_itemsize(t["dtype"]) * _numel(t["shape"]),
                 "shards": len(t["boxes"])} for n, t in m["tensors"].items()]
-    values = [{"name": n, "value": v} for n, v in _values(m["ranks"][0]["tree"])]
+    values = [{"name": n, "value": v} for n, v in _values(whole_tree(m))]
     if a.json:
         _emit_json({"step": step, "world_size": m["world_size"], "created": m["created"], "codec": m["codec"],
                     "tensors": tensors, "values": values})
@@ -207,7 +208,7 @@ def cmd_diff(a: argparse.Namespace) -> int:
             continue
         diff = (x.double() - y.double()).abs().max().item() if x.numel() and x.dtype != torch.bool else None
         changed.append({"name": name, "from": None, "to": None, "max_abs_diff": diff})
-    va, vb = dict(_values(ma["ranks"][0]["tree"])), dict(_values(mb["ranks"][0]["tree"]))
+    va, vb = dict(_values(whole_tree(ma))), dict(_values(whole_tree(mb)))
     values = [{"name": k, "a": va.get(k), "b": vb.get(k)} for k in sorted(set(va) | set(vb)) if va.get(k) != vb.get(k)]
     if a.json:
         _emit_json({"a": sa, "b": sb, "added": added, "removed": removed, "changed": changed,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .._catalog import Catalog
 from .._format import dtype_from_name, dtype_itemsize, dtype_name
+from .._saved_trees import whole_tree
 
 if TYPE_CHECKING:
     import torch
@@ -165,12 +166,13 @@ def export(catalog: Catalog, step: int, fmt: str, out: str, *, key: str | None =
     os.makedirs(scratch)
     try:
         manifest = catalog.manifest(step)
-        entries = dict(manifest["ranks"][0]["tree"]["items"])
+        whole = whole_tree(manifest)  # every rank's names (pipeline stages')
+        entries = dict(whole["items"])
         if key is not None and key not in entries:
             raise ExportError(f"--key {key!r} is not in step {step} (it holds: {', '.join(map(str, entries))})")
         from .._tree import tensor_names
 
-        tree = entries[key] if key is not None else manifest["ranks"][0]["tree"]
+        tree = entries[key] if key is not None else whole
         _refuse_what_the_format_cannot_hold(manifest, tensor_names(tree), fmt)
         count = iter(range(1 << 62))
         obj, _ = catalog.read_state(manifest, step, key, progress=progress,

@@ -1,0 +1,155 @@
+"""Pipeline-parallel state, as ``torch.distributed.pipelining`` leaves it: each stage holds
+some of the model's layers under the full model's names, its data-parallel replicas the
+same ones, and its optimizer state keyed by those names (DCP's ``get_state_dict``).
+Scenarios for ``tests.launch.run_ranks(..., module="tests.pipeline_workers")``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from resilient import Checkpointer, UnsupportedStateError
+
+from .workers import finish_scenario, init
+
+LAYERS = 4
+
+
+def _full_model() -> torch.nn.Sequential:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(LAYERS)])
+
+
+def _stage(model: torch.nn.Sequential, rank: int, stages: int) -> tuple[torch.nn.Sequential, int]:
+    """This rank's stage: its layers kept, the others' replaced (names keep their places);
+    ranks r and r + stages are replicas of one stage."""
+    stage = rank % stages
+    mine = [i for i in range(LAYERS) if i * stages // LAYERS == stage]
+    return torch.nn.Sequential(*[model[i] if i in mine else torch.nn.Identity() for i in range(LAYERS)]), stage
+
+
+class _StageState:
+    """Model and optimizer state keyed by parameter name, as DCP's examples keep them."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optim)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class _ModelOnly:
+    """The model's part of ``_StageState``: a restore for evaluation, or a new split."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(self.model)}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state["model"])
+
+
+def _train(stage: torch.nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
+    """Each stage's own layers on a batch of the step (no activations cross stages here:
+    what is tested is the state each stage keeps)."""
+    for step in steps:
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        optim.zero_grad()
+        stage(x).square().mean().backward()
+        optim.step()
+
+
+def _trained(rank: int, stages: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    stage, _ = _stage(_full_model(), rank, stages)
+    optim = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    _train(stage, optim, range(3))
+    return stage, optim
+
+
+def save(a: dict) -> None:
+    """Train 3 steps, save, train 3 more; print this stage's parameters after all 6."""
+    rank, _ = init()
+    stage, optim = _trained(rank, a["stages"])
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        ckpt.save(3, {"app": _StageState(stage, optim), "progress": {"epoch": 1}}, force=True)
+        ckpt.wait()
+    _train(stage, optim, range(3, 6))
+    print("AFTER " + json.dumps({k: v.tolist() for k, v in stage.state_dict().items()}), flush=True)
+
+
+def resume(a: dict) -> None:
+    """A fresh stage of this layout, restored, trained the same 3 more steps."""
+    rank, _ = init()
+    stage, _ = _stage(_full_model(), rank, a["stages"])
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.zero_()
+    optim = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    state = {"app": _StageState(stage, optim), "progress": {}}
+    with Checkpointer(a["root"]) as ckpt:
+        assert ckpt.restore(state) == 3
+    assert state["progress"] == {"epoch": 1}
+    _train(stage, optim, range(3, 6))
+    print("AFTER " + json.dumps({k: v.tolist() for k, v in stage.state_dict().items()}), flush=True)
+
+
+def model_only(a: dict) -> None:
+    """Only the model, at another split (or whole, on one rank): each rank's layers are
+    those the checkpoint holds for their names."""
+    rank, _ = init()
+    stage, _ = _stage(_full_model(), rank, a["stages"])
+    want = {}  # what each stage of the saved split held
+    for saved_stage in range(a["saved_stages"]):
+        want.update(_trained(saved_stage, a["saved_stages"])[0].state_dict())
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.zero_()
+    with Checkpointer(a["root"]) as ckpt:
+        assert ckpt.restore({"app": _ModelOnly(stage)}, strict=False) == 3
+    for name, t in stage.state_dict().items():
+        assert torch.equal(t, want[name]), (rank, name)
+    print(f"rank {rank} holds {sorted(stage.state_dict())}", flush=True)
+
+
+def raw_optimizer_refused(a: dict) -> None:
+    """Each stage's plain optimizer keys its state 0, 1, ...: one name, two tensors of
+    other shapes on two stages. Refused on every rank, naming the key and the remedy."""
+    rank, _ = init()
+    stage, _ = _stage(_full_model(), rank, 2)
+    if rank == 1:
+        stage[3] = torch.nn.Linear(16, 4)  # the last stage's head: another shape
+    optim = torch.optim.Adam(stage.parameters())
+    _train(stage, optim, range(1)) if rank == 0 else None
+    if rank == 1:
+        stage(torch.randn(2, 16)).sum().backward()
+        optim.step()
+    with Checkpointer(a["root"]) as ckpt:
+        try:
+            ckpt.save(1, {"model": stage, "optim": optim}, force=True)
+        except UnsupportedStateError as exc:
+            print(f"rank {rank} refused: {exc}", flush=True)
+        else:
+            raise AssertionError("one name for two tensors was saved")
+
+
+SCENARIOS = {f.__name__: f for f in (save, resume, model_only, raw_optimizer_refused)}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+    finish_scenario()
