@@ -60,7 +60,8 @@ from ._snapshot import bitwise, dtensor_box, is_dtensor, local_tensor, storage_s
 from ._per_rank import PerRank, Reshard
 from ._rng import decode_rng
 from ._saved_trees import partitioned_entries
-from ._tree import build_value, flatten_target, is_stateful, per_rank_path, tensor_names, without_plain_bytes
+from ._tree import (build_value, child_path, flatten_target, is_stateful, per_rank_path, tensor_names,
+                    without_plain_bytes)
 from ._wrappers import state_holder
 
 __all__ = ["load_checkpoint", "OtherRankFailed"]
@@ -255,6 +256,21 @@ def _without(node: dict[str, Any], names: set[str]) -> dict[str, Any]:
     return node
 
 
+def _optimizers_in(target: Any, path: str, node: dict[str, Any]) -> Iterator[tuple[torch.optim.Optimizer, str,
+                                                                                dict[str, Any]]]:
+    """(optimizer, its name, its saved node) for the entry ``target`` and the optimizers in
+    its dicts and lists (the optimizers of a GAN's models under one entry)."""
+    if isinstance(target, torch.optim.Optimizer):
+        yield target, path, node
+    elif isinstance(target, dict) and node.get("t") == "dict":
+        for key, child in node["items"]:
+            if key in target:
+                yield from _optimizers_in(target[key], child_path(path, key), child)
+    elif isinstance(target, list) and node.get("t") == "list":
+        for index, (live, child) in enumerate(zip(target, node["items"])):
+            yield from _optimizers_in(live, child_path(path, index), child)
+
+
 def _optimizer_templates(optim: torch.optim.Optimizer, key: str, node: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Saved optimizer-state names -> the parameter whose placement they must take.
 
@@ -390,31 +406,43 @@ class _Entry:
                 else:
                     self.inner.load_state_dict(value)
         elif isinstance(self.target, PerRank):
-            self.target.value = _into(self.target.value, value, set())
+            with _refused_by(self.key, step, "the load_state_dict of an object in it"):
+                self.target.value = _into(self.target.value, value, set(), strict)
         else:  # tensors loaded in place come back as the same objects
-            state[self.key] = _into(self.target, value, set())
+            with _refused_by(self.key, step, "the load_state_dict of an object in it"):
+                state[self.key] = _into(self.target, value, set(), strict)
 
 
-def _into(live: Any, saved: Any, filled: set[int]) -> Any:
+def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
     """``saved``, put into ``live``'s own dicts and lists where both have one at the same
-    place (as DCP's load does); elsewhere ``saved`` itself. Why: a program holds references
-    into its state (``progress = state["progress"]``), and a restore that replaced the
-    entry with new containers left those references at their old values, without a word.
-    The result equals ``saved`` (keys it lacks are removed), in the program's containers;
-    a container met twice (one dict under two keys) is filled once, the second place
-    taking ``saved``'s own."""
+    place (as DCP's load does), and into the objects there through their
+    ``load_state_dict`` (a module in the program's dict: the models of a GAN under one
+    entry); elsewhere ``saved`` itself. Why: a program holds references into its state
+    (``progress = state["progress"]``, the model it trains), and a restore that replaced
+    them with new containers left those at their old values, without a word. The result
+    equals ``saved`` (keys it lacks are removed), in the program's containers; a container
+    met twice (one dict under two keys) is filled once, the second place taking
+    ``saved``'s own."""
     if id(live) in filled:
         return saved
+    if is_stateful(live) and isinstance(saved, dict):
+        filled.add(id(live))
+        if isinstance(live, torch.nn.Module):
+            live.load_state_dict(saved, strict=strict)
+        else:
+            live.load_state_dict(saved)
+        return live
     if isinstance(live, dict) and type(saved) is dict:
         filled.add(id(live))
         for key in [k for k in live if k not in saved]:
             del live[key]
         for key, value in saved.items():
-            live[key] = _into(live.get(key), value, filled)
+            live[key] = _into(live.get(key), value, filled, strict)
         return live
     if isinstance(live, list) and type(saved) is list:
         filled.add(id(live))
-        live[:] = [_into(live[i] if i < len(live) else None, value, filled) for i, value in enumerate(saved)]
+        live[:] = [_into(live[i] if i < len(live) else None, value, filled, strict)
+                   for i, value in enumerate(saved)]
         return live
     return saved
 
@@ -643,10 +671,12 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         # sharding); everything else is built fresh from the checkpoint.
         targets = flatten_target(entry.inner, path) if path else {}
         saved_names = {name for source in entry.sources for name in tensor_names(source)}
-        if isinstance(entry.inner, torch.optim.Optimizer):
+        optimizers = list(_optimizers_in(entry.inner, path, entry.sources[0])) if path else []
+        if optimizers:
             # its load_state_dict replaces the whole state: a live tensor the checkpoint lacks
             # (LBFGS's history, longer now than when saved) goes, and is no missing key
-            targets = {name: t for name, t in targets.items() if name in saved_names}
+            theirs = tuple(f"{optim_path}/" for _, optim_path, _ in optimizers)
+            targets = {name: t for name, t in targets.items() if name in saved_names or not name.startswith(theirs)}
         if not strict:
             live = targets
             targets = {name: t for name, t in targets.items() if name in saved_names}
@@ -662,8 +692,8 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 raise StateError(f"key {key!r}: the checkpoint of step {step} has entries the module lacks: {extra[:5]}")
             saved_names -= set(extra)
             entry.sources = [_without(source, set(extra)) for source in entry.sources]
-        templates = (_optimizer_templates(entry.inner, path, entry.sources[0])
-                     if isinstance(entry.inner, torch.optim.Optimizer) and path else {})
+        templates = {name: param for optim, optim_path, node in optimizers
+                     for name, param in _optimizer_templates(optim, optim_path, node).items()}
         for name in saved_names:
             meta = tensors_meta[name]
             if name in targets and is_lazy(targets[name]):

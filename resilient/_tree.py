@@ -26,8 +26,8 @@ from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
 from ._wrappers import state_holder
 
-__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "is_stateful", "per_rank_path",
-           "tensor_names", "without_plain_bytes"]
+__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful",
+           "per_rank_path", "tensor_names", "without_plain_bytes"]
 
 _SCALARS = (type(None), bool, int, float, str)
 #: torch's dtypes that the format can name (a set lookup per tensor on the save's path)
@@ -85,7 +85,8 @@ _KEY_TEXTS: dict[str | int, str] = {}
 _KEY_TEXTS_KEPT = 1 << 16
 
 
-def _child(path: str, key: str | int) -> str:
+def child_path(path: str, key: str | int) -> str:
+    """The checkpoint name of ``key`` under ``path``."""
     # kept for plain str and int keys only: a str enum equals its value but is named otherwise
     kept = type(key) is str or type(key) is int
     text = _KEY_TEXTS.get(key) if kept else None
@@ -103,7 +104,7 @@ def _child(path: str, key: str | int) -> str:
 def per_rank_path(key: str, rank: int) -> str:
     """Where rank ``rank``'s tensors of per-rank entry ``key`` are named: ``key@rank``
     (keys are quoted, so a literal '@' in a key can never produce this name)."""
-    return f"{_child('', key)}@{rank}"
+    return f"{child_path('', key)}@{rank}"
 
 
 class Flattened:
@@ -121,7 +122,7 @@ class Flattened:
         """A top-level entry; a ``PerRank`` one names its tensors by rank. A module wrapper's
         entry holds its module's state (``_wrappers``)."""
         if not isinstance(obj, PerRank):
-            return self.encode(state_holder(obj), _child("", key), expand_stateful=True)
+            return self.encode(state_holder(obj), child_path("", key), expand_stateful=True)
         before = set(self.tensors)
         node = {"t": "per_rank", "sd": self.encode(state_holder(obj.value), per_rank_path(key, rank),
                                                    expand_stateful=True)}
@@ -159,21 +160,23 @@ class Flattened:
                         f"state[{path!r}]: key {key!r} of type {type(key).__name__} "
                         "cannot be checkpointed; use str or int keys"
                     )
-                child = _child(path, key)
+                child = child_path(path, key)
                 if child in seen:
                     raise UnsupportedStateError(
                         f"state[{path!r}]: keys {seen[child]!r} and {key!r} are both named {child!r} in a "
                         "checkpoint; make them distinct"
                     )
                 seen[child] = key
-                items.append([key, self.encode(value, child, expand_stateful=False)])
+                # an object in the program's own dict (the models of a GAN under one entry) is
+                # saved through its state_dict(), as at the top; not one inside a state_dict()
+                items.append([key, self.encode(value, child, expand_stateful=expand_stateful)])
             return {"t": "dict", "items": items}
         if isinstance(obj, (list, tuple)):
             kind = "list" if isinstance(obj, list) else "tuple"
             return {
                 "t": kind,
                 "items": [
-                    self.encode(v, _child(path, i), expand_stateful=False)
+                    self.encode(v, child_path(path, i), expand_stateful=expand_stateful)
                     for i, v in enumerate(obj)
                 ],
             }
@@ -188,6 +191,9 @@ class Flattened:
 def _remedy(obj: Any) -> str:
     """What to store instead of ``obj``: numpy's values, which torch.save users keep in their
     state, get the conversion that keeps them whole; a random generator, where it is kept."""
+    if is_stateful(obj):  # met inside another object's state_dict(), where nothing calls its load_state_dict
+        return ("an object inside a state_dict() is not saved through its own; return obj.state_dict() "
+                "there, or keep the object in the state's own dicts and lists")
     if stateful_generator(obj) is not None:
         return ("a random generator is saved as a top-level entry of the state (state['name'] = generator), "
                 "and restored into the same object")

@@ -133,6 +133,12 @@ def reference_io():
     return get_state_dict, set_state_dict, StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def _state(a: dict, model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
+    """The state as saved: top-level entries, or (``nested``) both under one entry, as a
+    program keeping several models' parts together does."""
+    return {"train": {"model": model, "optim": optim}} if a.get("nested") else {"model": model, "optim": optim}
+
+
 def save(a: dict) -> None:
     """Train ``a['steps']`` steps at this world size and save the last one; also keep the
     full state through torch's own API (DCP ``get_state_dict``) as the reference."""
@@ -140,7 +146,7 @@ def save(a: dict) -> None:
     model, optim = build(a["mode"], world)
     train_steps(model, optim, 0, a["steps"])
     with Checkpointer(a["root"], keep=None) as ckpt:
-        ckpt.save(a["steps"], {"model": model, "optim": optim}, force=True)
+        ckpt.save(a["steps"], _state(a, model, optim), force=True)
     get_state_dict, _, options = reference_io()
     model_sd, optim_sd = get_state_dict(model, optim, options=options)
     reference = {"model": model_sd, "optim": optim_sd, "full": full_state(model, optim)}
@@ -156,7 +162,7 @@ def resume(a: dict) -> None:
     rank, world = init()
     model, optim = build(a["mode"], world)
     with Checkpointer(a["root"]) as ckpt:
-        step = ckpt.restore({"model": model, "optim": optim})
+        step = ckpt.restore(_state(a, model, optim))
     assert step == a["steps"], step
     placements_match(model, optim)
     reference = torch.load(a["reference"], weights_only=True)

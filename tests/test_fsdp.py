@@ -23,14 +23,15 @@ def saved(tmp_path_factory):
     """mode -> arguments of its saved run (made once per mode, on first use)."""
     runs: dict[str, dict] = {}
 
-    def get(mode: str, world: int) -> dict:
-        if mode not in runs:
-            d = tmp_path_factory.mktemp(mode)
+    def get(mode: str, world: int, nested: bool = False) -> dict:
+        name = f"{mode}-nested" if nested else mode
+        if name not in runs:
+            d = tmp_path_factory.mktemp(name)
             args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt"), "steps": STEPS, "mode": mode,
-                    "saved_world": world}
+                    "saved_world": world, "nested": nested}
             run_ranks("save", world, args, module="tests.fsdp_workers", env={"FORCE_DIST": "1"}, timeout=120)
-            runs[mode] = args
-        return runs[mode]
+            runs[name] = args
+        return runs[name]
 
     return get
 
@@ -44,6 +45,15 @@ def resume(args: dict, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 1, 3])
 def test_fsdp2_saved_by_2_resumes_with_a_fresh_optimizer(saved, world):
     resume(saved("fsdp", 2), world)
+
+
+def test_fsdp2_model_and_optimizer_under_one_entry_resume_at_another_world_size(saved):
+    """A model and its fresh optimizer inside the program's own dict (state["train"] =
+    {"model": ..., "optim": ...}): saved through their state_dict() and restored into them
+    in place, the optimizer's state taking its parameters' placements, as at the top
+    level. Before, saving refused them ("cannot be checkpointed without pickle ... or an
+    object with state_dict()")."""
+    resume(saved("fsdp", 2, nested=True), 3)
 
 
 @pytest.mark.parametrize("world", [4, 2])
