@@ -54,6 +54,7 @@ from ._chunkio import ChunkedFile, ChunkRun, batched
 from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, ResilientError, StateError
 from ._format import dtype_from_name, dtype_name
+from ._generators import stateful_generator
 from ._gc_pause import gc_paused
 from ._layout import Box, contiguous_range, intersect
 from ._snapshot import bitwise, dtensor_box, is_dtensor, local_tensor, storage_shortfall
@@ -425,12 +426,13 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
     ``saved``'s own."""
     if id(live) in filled:
         return saved
-    if is_stateful(live) and isinstance(saved, dict):
+    holder = live if is_stateful(live) else stateful_generator(live)
+    if holder is not None and isinstance(saved, dict):
         filled.add(id(live))
         if isinstance(live, torch.nn.Module):
             live.load_state_dict(saved, strict=strict)
         else:
-            live.load_state_dict(saved)
+            holder.load_state_dict(saved)
         return live
     if isinstance(live, dict) and type(saved) is dict:
         filled.add(id(live))

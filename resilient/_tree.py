@@ -149,8 +149,9 @@ class Flattened:
                 f"state[{path!r}]: PerRank must wrap a top-level entry of the state "
                 "(state['name'] = PerRank(value))"
             )
-        if expand_stateful and is_stateful(obj):
-            return {"t": "obj", "sd": self.encode(obj.state_dict(), path, expand_stateful=False)}
+        holder = (obj if is_stateful(obj) else stateful_generator(obj)) if expand_stateful else None
+        if holder is not None:
+            return {"t": "obj", "sd": self.encode(holder.state_dict(), path, expand_stateful=False)}
         if isinstance(obj, Mapping):
             items = []
             seen: dict[str, Any] = {}  # each key's name in the checkpoint -> the key
@@ -195,8 +196,8 @@ def _remedy(obj: Any) -> str:
         return ("an object inside a state_dict() is not saved through its own; return obj.state_dict() "
                 "there, or keep the object in the state's own dicts and lists")
     if stateful_generator(obj) is not None:
-        return ("a random generator is saved as a top-level entry of the state (state['name'] = generator), "
-                "and restored into the same object")
+        return ("a random generator is saved in the state itself or its own dicts and lists (state['name'] = "
+                "generator), and restored into the same object; not inside a state_dict()")
     if type(obj).__module__ == "numpy":
         if type(obj).__name__ == "ndarray":
             return "store torch.from_numpy(value) (restored as a tensor; .numpy() gives the array back)"

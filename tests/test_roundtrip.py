@@ -246,11 +246,29 @@ def test_random_generators_in_the_state_resume_the_data_order(root):
     with Checkpointer(root) as ckpt:
         assert ckpt.restore(resumed) == 1
     assert [epoch(resumed) for _ in range(2)] == uninterrupted[1:]
-    # below the top level it is refused, saying where it goes
+    # in the program's own dict too (restored into its object); inside a state_dict() it is
+    # refused, saying where it goes
+    nested = torch.Generator().manual_seed(5)
     with Checkpointer(root) as ckpt:
-        with pytest.raises(UnsupportedStateError, match=r"state\['data/g'\]: .* a random generator is saved as a "
-                                                         r"top-level entry"):
-            ckpt.save(2, {"data": {"g": torch.Generator()}})
+        ckpt.save(2, {"data": {"g": nested, "epoch": 1}})
+    expected = torch.rand(3, generator=nested)
+    other = torch.Generator().manual_seed(6)
+    back = {"data": {"g": other, "epoch": 0}}
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore(back) == 2
+    assert back["data"]["g"] is other and torch.equal(torch.rand(3, generator=other), expected)
+
+    class Sampler:
+        def state_dict(self):
+            return {"g": torch.Generator()}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(UnsupportedStateError, match=r"state\['sampler/g'\]: .* a random generator is saved in "
+                                                         r"the state itself or its own dicts and lists"):
+            ckpt.save(3, {"sampler": Sampler()})
 
 
 def test_steps_past_ten_digits_are_listed_restored_and_kept_in_order(root):
