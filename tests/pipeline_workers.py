@@ -26,8 +26,48 @@ def _stage(model: torch.nn.Sequential, rank: int, stages: int) -> tuple[torch.nn
     """This rank's stage: its layers kept, the others' replaced (names keep their places);
     ranks r and r + stages are replicas of one stage."""
     stage = rank % stages
+    return _layers_of(model, stage, stages), stage
+
+
+def _layers_of(model: torch.nn.Sequential, stage: int, stages: int) -> torch.nn.Sequential:
     mine = [i for i in range(LAYERS) if i * stages // LAYERS == stage]
-    return torch.nn.Sequential(*[model[i] if i in mine else torch.nn.Identity() for i in range(LAYERS)]), stage
+    return torch.nn.Sequential(*[model[i] if i in mine else torch.nn.Identity() for i in range(LAYERS)])
+
+
+def _sharded_stage(world: int, stages: int) -> torch.nn.Sequential:
+    """This rank's stage, FSDP2-sharded over the stage's ranks (mesh pp x dp, row-major)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (stages, world // stages), mesh_dim_names=("pp", "dp"))
+    stage = _layers_of(_full_model(), mesh.get_coordinate()[0], stages)
+    for layer in stage:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["dp"])
+    return fully_shard(stage, mesh=mesh["dp"])
+
+
+def _full_params(stage: torch.nn.Module) -> str:
+    return "AFTER " + json.dumps({k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist()
+                                  for k, v in stage.state_dict().items()})
+
+
+def sharded_stages(a: dict) -> None:
+    """Stages FSDP2-sharded over their replicas: save at step 3 (or, ``resume``, restore
+    into a fresh stage and optimizer), then train to step 6."""
+    rank, world = init()
+    stage = _sharded_stage(world, a["stages"])
+    optim = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    state = {"app": _StageState(stage, optim)}
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        if a.get("resume"):
+            assert ckpt.restore(state) == 3
+        else:
+            _train(stage, optim, range(3))
+            ckpt.save(3, state, force=True)
+            ckpt.wait()
+    _train(stage, optim, range(3, 6))
+    print(_full_params(stage), flush=True)
 
 
 class _StageState:
@@ -148,7 +188,7 @@ def raw_optimizer_refused(a: dict) -> None:
             raise AssertionError("one name for two tensors was saved")
 
 
-SCENARIOS = {f.__name__: f for f in (save, resume, model_only, raw_optimizer_refused)}
+SCENARIOS = {f.__name__: f for f in (save, resume, model_only, raw_optimizer_refused, sharded_stages)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

@@ -87,3 +87,11 @@ def test_one_name_for_two_tensors_is_refused_on_every_rank(tmp_path):
         assert "get_optimizer_state_dict" in r.output and "PerRank" in r.output
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
         assert ckpt.latest() is None
+
+
+def test_stages_sharded_by_fsdp2_over_their_replicas_resume_bit_for_bit(tmp_path):
+    """Pipeline x FSDP2 (2 stages, each sharded over 2 ranks): every stage's shards are
+    written once, and a fresh stage and optimizer resume as the uninterrupted run goes on."""
+    root = str(tmp_path / "ckpt")
+    uninterrupted = _after(_run("sharded_stages", 4, {"root": root, "stages": 2}))
+    assert _after(_run("sharded_stages", 4, {"root": root, "stages": 2, "resume": True})) == uninterrupted
