@@ -257,19 +257,19 @@ def _without(node: dict[str, Any], names: set[str]) -> dict[str, Any]:
     return node
 
 
-def _optimizers_in(target: Any, path: str, node: dict[str, Any]) -> Iterator[tuple[torch.optim.Optimizer, str,
-                                                                                dict[str, Any]]]:
-    """(optimizer, its name, its saved node) for the entry ``target`` and the optimizers in
-    its dicts and lists (the optimizers of a GAN's models under one entry)."""
-    if isinstance(target, torch.optim.Optimizer):
+def _held_in(target: Any, path: str, node: dict[str, Any], kind: type) -> Iterator[tuple[Any, str, dict[str, Any]]]:
+    """(object, its name, its saved node) for the entry ``target`` if it is a ``kind``, and
+    for the ``kind`` objects in its dicts and lists (a GAN's models and their optimizers
+    under one entry)."""
+    if isinstance(target, kind):
         yield target, path, node
     elif isinstance(target, dict) and node.get("t") == "dict":
         for key, child in node["items"]:
             if key in target:
-                yield from _optimizers_in(target[key], child_path(path, key), child)
+                yield from _held_in(target[key], child_path(path, key), child, kind)
     elif isinstance(target, list) and node.get("t") == "list":
         for index, (live, child) in enumerate(zip(target, node["items"])):
-            yield from _optimizers_in(live, child_path(path, index), child)
+            yield from _held_in(live, child_path(path, index), child, kind)
 
 
 def _optimizer_templates(optim: torch.optim.Optimizer, key: str, node: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -673,7 +673,7 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         # sharding); everything else is built fresh from the checkpoint.
         targets = flatten_target(entry.inner, path) if path else {}
         saved_names = {name for source in entry.sources for name in tensor_names(source)}
-        optimizers = list(_optimizers_in(entry.inner, path, entry.sources[0])) if path else []
+        optimizers = list(_held_in(entry.inner, path, entry.sources[0], torch.optim.Optimizer)) if path else []
         if optimizers:
             # its load_state_dict replaces the whole state: a live tensor the checkpoint lacks
             # (LBFGS's history, longer now than when saved) goes, and is no missing key
@@ -686,12 +686,20 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 _warn_nothing_matched(key, step, sorted(live), sorted(saved_names))
         for name, t in targets.items():
             _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
-        # a module takes only its own names; so does an entry saved in parts (pipeline stages:
-        # the other stages' names are theirs), unless it holds no tensor to say which it takes
-        if path and (isinstance(entry.inner, torch.nn.Module) or (key in partitioned and targets)):
+        # a module takes only its own names, and under strict says which it lacks before
+        # anything is read; an entry saved in parts (pipeline stages) takes only the names its
+        # tensors have, the other stages' being theirs, unless it holds none to say which
+        extra: list[str] = []
+        if path and key in partitioned and targets:
             extra = sorted(saved_names - set(targets))
-            if extra and strict and key not in partitioned:
-                raise StateError(f"key {key!r}: the checkpoint of step {step} has entries the module lacks: {extra[:5]}")
+        elif path:
+            for _, module_path, _ in _held_in(entry.inner, path, entry.sources[0], torch.nn.Module):
+                lacked = sorted(n for n in saved_names - set(targets) if n.startswith(f"{module_path}/"))
+                if lacked and strict:
+                    raise StateError(f"key {module_path!r}: the checkpoint of step {step} has entries the module "
+                                     f"lacks: {lacked[:5]}")
+                extra += lacked
+        if extra:
             saved_names -= set(extra)
             entry.sources = [_without(source, set(extra)) for source in entry.sources]
         templates = {name: param for optim, optim_path, node in optimizers

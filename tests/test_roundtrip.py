@@ -220,6 +220,19 @@ def test_a_step_saved_again_is_skipped_unless_forced(root, caplog, monkeypatch):
         assert ckpt.latest() == 40
 
 
+class _Giving:
+    """An object whose state_dict() gives what it was made with (and loads nothing)."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 def test_random_generators_in_the_state_resume_the_data_order(root):
     """A DataLoader shuffling with a generator of the program's own, and generators of
     Python and numpy: each was refused as needing pickle, so a resumed run shuffled
@@ -258,17 +271,10 @@ def test_random_generators_in_the_state_resume_the_data_order(root):
         assert ckpt.restore(back) == 2
     assert back["data"]["g"] is other and torch.equal(torch.rand(3, generator=other), expected)
 
-    class Sampler:
-        def state_dict(self):
-            return {"g": torch.Generator()}
-
-        def load_state_dict(self, sd):
-            pass
-
     with Checkpointer(root) as ckpt:
         with pytest.raises(UnsupportedStateError, match=r"state\['sampler/g'\]: .* a random generator is saved in "
                                                          r"the state itself or its own dicts and lists"):
-            ckpt.save(3, {"sampler": Sampler()})
+            ckpt.save(3, {"sampler": _Giving({"g": torch.Generator()})})
 
 
 def test_steps_past_ten_digits_are_listed_restored_and_kept_in_order(root):
@@ -435,15 +441,19 @@ def test_objects_in_the_programs_own_dicts_and_lists_save_and_restore_in_place(r
     with Checkpointer(root) as ckpt:
         with pytest.raises(StateError, match=r"key 'models/disc/weight': shape mismatch"):
             ckpt.restore(wrong)
+    # a module that lacks some of its saved entries is named before anything is read
+    smaller = {"models": {"gen": torch.nn.Linear(4, 4), "disc": torch.nn.Linear(4, 1, bias=False)},
+               "optims": gan(3)[1], "progress": {}}
+    before = smaller["models"]["gen"].weight.detach().clone()
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(StateError, match=r"key 'models/disc': the checkpoint of step 2 has entries the module "
+                                             r"lacks: \['models/disc/bias'\]"):
+            ckpt.restore(smaller)
+        assert torch.equal(smaller["models"]["gen"].weight, before)
+        assert ckpt.restore(smaller, strict=False) == 2  # the rest, on purpose
+    assert torch.equal(smaller["models"]["disc"].weight, models["disc"].weight)
     # inside another object's state_dict(), nothing would call its load_state_dict
-    class Holder:
-        def state_dict(self):
-            return {"inner": torch.nn.Linear(2, 2)}
-
-        def load_state_dict(self, sd):
-            pass
-
     with Checkpointer(root) as ckpt:
         with pytest.raises(UnsupportedStateError, match=r"state\['holder/inner'\]: .*an object inside a state_dict\(\) "
                                                         r"is not saved through its own; return obj.state_dict\(\)"):
-            ckpt.save(3, {"holder": Holder()})
+            ckpt.save(3, {"holder": _Giving({"inner": torch.nn.Linear(2, 2)})})
