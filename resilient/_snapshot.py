@@ -27,7 +27,7 @@ from ._format import dtype_itemsize, dtype_name
 from ._hostmem import HostBuffer
 from ._layout import Box, replicated_slices, shard_box, sharding_order
 
-__all__ = ["Blob", "RankPlan", "describe", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view",
+__all__ = ["Blob", "RankPlan", "describe", "gather_descriptions", "plan_rank", "Staging", "is_dtensor", "dtensor_box", "byte_view",
            "bitwise", "local_tensor", "storage_shortfall"]
 
 
@@ -259,6 +259,25 @@ def describe(tensors: dict[str, torch.Tensor], per_rank: set[str], *, alone: boo
         else:
             plain.append([name, 0 if alone else fingerprint(t), dtype_name(t.dtype), list(t.shape)])
     return {"sharded": sharded, "plain": plain, "aliases": sorted(aliases.items())}
+
+
+def gather_descriptions(all_gather: Callable[[object], list[Any]], rank: int,
+                        description: dict[str, list[list[Any]]]) -> list[dict[str, list[list[Any]]]]:
+    """Every rank's ``describe``, in two gathers: first each rank's boxes with a digest of
+    its plain tensors, then each distinct plain list once, from the first rank holding it.
+    Why: under data parallelism every rank's plain list is the same (names, dtypes, shapes,
+    fingerprints), and gathering it from every rank sent world_size copies to every rank:
+    26,800 tensors of a mixture of experts make a 1.4 MB list, 1.4 GB gathered on each of
+    1,024 ranks when the layout is planned."""
+    plain = description["plain"]
+    digest = hashlib.sha256(json.dumps(plain).encode()).hexdigest()
+    heads = all_gather({"sharded": description["sharded"], "aliases": description["aliases"], "plain": digest})
+    first: dict[str, int] = {}
+    for r, head in enumerate(heads):
+        first.setdefault(head["plain"], r)
+    lists = all_gather(plain if first[digest] == rank else None)
+    by_digest = {head["plain"]: lists[r] for r, head in enumerate(heads) if first[head["plain"]] == r}
+    return [{**head, "plain": by_digest[head["plain"]]} for head in heads]
 
 
 def _refuse_rank_dependent(descriptions: list[dict[str, list[list[Any]]]]) -> None:
