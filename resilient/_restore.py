@@ -457,17 +457,22 @@ def _saved_keys(node: dict[str, Any]) -> list[Any]:
     return [item[0] for item in state_dict.get("items", ()) if isinstance(item, list) and item]
 
 
+def _warn_if_values_differ(key: str, manifest: dict[str, Any], rank: int, world_size: int,
+                           where: str | None) -> None:
+    """At another world size, an entry whose saved values (not only its names) differ by
+    rank: each rank gets those of the old rank of its number, which may not be what it
+    needs (a pipeline stage's optimizer ``param_groups``, a per-rank counter)."""
+    if where is not None and rank == 0:
+        log.warning("resilient: key %r differs by rank in the checkpoint of step %d (saved by %d ranks), "
+                    "first at %r; at %d ranks, each rank gets that of the old rank of its number (rank "
+                    "0's beyond the old world). Wrap it in resilient.PerRank(..., reshard=...) to decide",
+                    key, manifest["step"], manifest["world_size"], where, world_size)
+
+
 def _plan_entry(key: str, target: Any, node: dict[str, Any], manifest: dict[str, Any], rank: int,
-                world_size: int, parts: tuple[dict[str, Any], str | None] | None) -> tuple[_Entry, str]:
-    """(the entry's restore plan, the path its live tensors are named under). ``parts``:
-    the entry's ranks' nodes joined, and where their values first disagree, when they differ."""
+                world_size: int) -> tuple[_Entry, str]:
+    """(the entry's restore plan, the path its live tensors are named under)."""
     if node["t"] != "per_rank":
-        where = parts[1] if parts is not None else None
-        if manifest["world_size"] != world_size and where is not None and rank == 0:
-            log.warning("resilient: key %r differs by rank in the checkpoint of step %d (saved by %d ranks), "
-                        "first at %r; at %d ranks, each rank gets that of the old rank of its number (rank "
-                        "0's beyond the old world). Wrap it in resilient.PerRank(..., reshard=...) to decide",
-                        key, manifest["step"], manifest["world_size"], where, world_size)
         return _Entry(key, target, [node], None), key
     if manifest["world_size"] == world_size:
         return _Entry(key, target, [node["sd"]], None), per_rank_path(key, rank)
@@ -649,8 +654,12 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
     step = manifest["step"]
     record = manifest["ranks"][rank if rank < manifest["world_size"] else 0]
     saved_entries = dict(record["tree"]["items"])
-    partitioned = partitioned_entries(manifest, rank)  # pipeline stages' entries: every rank's names
-    saved_entries.update({key: node for key, (node, _) in partitioned.items()})
+    # entries whose nodes differ by rank (pipeline stages'): every rank's names joined, taken
+    # where this rank's own node does not serve (another world size, or names it lacks)
+    partitioned = partitioned_entries(manifest, rank)
+    for key, (joined_node, _) in partitioned.items():
+        saved_entries.setdefault(key, joined_node)
+    resized = manifest["world_size"] != world_size
     tensors_meta = manifest["tensors"]
 
     # -- phase 1: check, and decide where every tensor goes ---------------------------------
@@ -667,12 +676,19 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 f"key {key!r} is not in the checkpoint of step {step} "
                 f"(it holds: {', '.join(map(repr, saved_entries)) or 'nothing'})"
             )
-        entry, path = _plan_entry(key, target, node, manifest, rank, world_size, partitioned.get(key))
-        entries.append(entry)
+        entry, path = _plan_entry(key, target, node, manifest, rank, world_size)
         # Tensors the target already holds are filled in place (so DTensors keep their
         # sharding); everything else is built fresh from the checkpoint.
         targets = flatten_target(entry.inner, path) if path else {}
         saved_names = {name for source in entry.sources for name in tensor_names(source)}
+        joined = key in partitioned and (node is partitioned[key][0] or resized or not set(targets) <= saved_names)
+        if joined and node is not partitioned[key][0]:
+            entry, path = _plan_entry(key, target, partitioned[key][0], manifest, rank, world_size)
+            targets = flatten_target(entry.inner, path) if path else {}
+            saved_names = {name for source in entry.sources for name in tensor_names(source)}
+        if joined and resized:
+            _warn_if_values_differ(key, manifest, rank, world_size, partitioned[key][1])
+        entries.append(entry)
         optimizers = list(_held_in(entry.inner, path, entry.sources[0], torch.optim.Optimizer)) if path else []
         if optimizers:
             # its load_state_dict replaces the whole state: a live tensor the checkpoint lacks

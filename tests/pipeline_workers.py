@@ -188,7 +188,19 @@ def raw_optimizer_refused(a: dict) -> None:
             raise AssertionError("one name for two tensors was saved")
 
 
-SCENARIOS = {f.__name__: f for f in (save, resume, model_only, raw_optimizer_refused, sharded_stages)}
+def own_values(a: dict) -> None:
+    """Plain values saved differently by each rank (a counter of its own, outside PerRank):
+    at the same world size each rank gets back exactly what it saved, not every rank's."""
+    rank, _ = init()
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        ckpt.save(1, {"meta": {f"seen_by_{rank}": rank, "shared": 1}}, force=True)
+        ckpt.wait()
+        back = {"meta": {}}
+        assert ckpt.restore(back) == 1
+    assert back == {"meta": {f"seen_by_{rank}": rank, "shared": 1}}, back
+
+
+SCENARIOS = {f.__name__: f for f in (save, resume, model_only, raw_optimizer_refused, sharded_stages, own_values)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

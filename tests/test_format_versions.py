@@ -223,7 +223,7 @@ def test_a_resized_restore_warns_of_an_entry_that_differs_by_rank_once_per_disti
     """Restoring into another world size, a plain entry whose saved value differs by rank is
     named (ranks beyond the old world get rank 0's). Ranks sharing one tree (format 2) are
     compared once; trees of format 1, one object per rank, still each count."""
-    from resilient._restore import _plan_entry
+    from resilient._restore import _warn_if_values_differ
     from resilient._saved_trees import partitioned_entries
 
     def tree(seen):
@@ -234,9 +234,8 @@ def test_a_resized_restore_warns_of_an_entry_that_differs_by_rank_once_per_disti
     differing = {"step": 3, "world_size": 3, "ranks": [{"tree": tree(r), "rng": None} for r in range(3)]}
     for manifest, warned in ((alike, False), (differing, True)):
         caplog.clear()
-        node = dict(manifest["ranks"][0]["tree"]["items"])["meta"]
-        _plan_entry("meta", {}, node, manifest, rank=0, world_size=2,
-                    parts=partitioned_entries(manifest, 0).get("meta"))
+        parts = partitioned_entries(manifest, 0).get("meta")
+        _warn_if_values_differ("meta", manifest, 0, 2, parts[1] if parts else None)
         assert ("'meta' differs by rank" in caplog.text) is warned
         assert ("first at 'meta/seen'" in caplog.text) is warned
 

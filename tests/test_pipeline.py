@@ -95,3 +95,9 @@ def test_stages_sharded_by_fsdp2_over_their_replicas_resume_bit_for_bit(tmp_path
     root = str(tmp_path / "ckpt")
     uninterrupted = _after(_run("sharded_stages", 4, {"root": root, "stages": 2}))
     assert _after(_run("sharded_stages", 4, {"root": root, "stages": 2, "resume": True})) == uninterrupted
+
+
+def test_values_that_differ_by_rank_come_back_as_each_rank_saved_them(tmp_path):
+    """Joining the ranks' trees serves a rank only where its own does not (another world
+    size, names it lacks): at the same world size each rank gets its own values back."""
+    _run("own_values", 2, {"root": str(tmp_path / "ckpt")})
