@@ -40,7 +40,20 @@ def merged(nodes: list[dict[str, Any]], path: str = "") -> tuple[dict[str, Any],
     if kind == "obj" and all(node.get("t") == "obj" for node in rest):
         state_dict, disagreed = merged([first["sd"], *(node["sd"] for node in rest)], path)
         return {**first, "sd": state_dict}, disagreed
+    if all(_param_groups(node) for node in (first, *rest)):
+        # each stage's optimizer groups, keyed by parameter name (DCP's get_state_dict):
+        # every group kept, so a rank of another split finds its parameters' group
+        groups: list[dict[str, Any]] = []
+        for node in (first, *rest):
+            groups += [group for group in node["items"] if group not in groups]
+        return {**first, "items": groups}, None
     return first, path or "/"
+
+
+def _param_groups(node: dict[str, Any]) -> bool:
+    """Whether ``node`` is a list of optimizer parameter groups (dicts with ``params``)."""
+    return node.get("t") == "list" and all(
+        item.get("t") == "dict" and any(key == "params" for key, _ in item["items"]) for item in node["items"])
 
 
 def _trees(manifest: dict[str, Any], first: int) -> list[dict[str, Any]]:

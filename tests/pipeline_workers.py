@@ -149,21 +149,36 @@ def resume(a: dict) -> None:
     print("AFTER " + json.dumps({k: v.tolist() for k, v in stage.state_dict().items()}), flush=True)
 
 
-def model_only(a: dict) -> None:
-    """Only the model, at another split (or whole, on one rank): each rank's layers are
-    those the checkpoint holds for their names."""
+def another_split(a: dict) -> None:
+    """The model (and, ``optim``, its optimizer keyed by parameter name) at another split, or
+    whole on one rank: each rank's layers and their moments are those the checkpoint holds
+    for their names; each parameter's group keeps its hyperparameters."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     rank, _ = init()
     stage, _ = _stage(_full_model(), rank, a["stages"])
-    want = {}  # what each stage of the saved split held
+    want, want_optim = {}, {}  # what each stage of the saved split held
     for saved_stage in range(a["saved_stages"]):
-        want.update(_trained(saved_stage, a["saved_stages"])[0].state_dict())
+        saved, saved_optim = _trained(saved_stage, a["saved_stages"])
+        want.update(saved.state_dict())
+        want_optim.update(get_optimizer_state_dict(saved, saved_optim)["state"])
     with torch.no_grad():
         for p in stage.parameters():
             p.zero_()
+    optim = torch.optim.AdamW(stage.parameters(), lr=0.5)  # the saved lr (1e-2) must come back
+    entry = _StageState(stage, optim) if a.get("optim") else _ModelOnly(stage)
     with Checkpointer(a["root"]) as ckpt:
-        assert ckpt.restore({"app": _ModelOnly(stage)}, strict=False) == 3
+        assert ckpt.restore({"app": entry}, strict=False) == 3
     for name, t in stage.state_dict().items():
         assert torch.equal(t, want[name]), (rank, name)
+    if a.get("optim"):
+        got = get_optimizer_state_dict(stage, optim)["state"]
+        assert sorted(got) == sorted(stage.state_dict()), (rank, sorted(got))
+        for name, fields in got.items():
+            for field, value in fields.items():
+                assert torch.equal(value, want_optim[name][field]), (rank, name, field)
+        assert all(group["lr"] == 1e-2 for group in optim.param_groups), optim.param_groups
+        _train(stage, optim, range(3, 4))  # and it steps
     print(f"rank {rank} holds {sorted(stage.state_dict())}", flush=True)
 
 
@@ -200,7 +215,7 @@ def own_values(a: dict) -> None:
     assert back == {"meta": {f"seen_by_{rank}": rank, "shared": 1}}, back
 
 
-SCENARIOS = {f.__name__: f for f in (save, resume, model_only, raw_optimizer_refused, sharded_stages, own_values)}
+SCENARIOS = {f.__name__: f for f in (save, resume, another_split, raw_optimizer_refused, sharded_stages, own_values)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
