@@ -302,21 +302,39 @@ def _assign_writers(descriptions: list[dict[str, list[list[Any]]]]) -> dict[tupl
 
     Ranks holding the same box (HSDP replicas, FSDP2 meshes repeated across TP ranks) are
     found from what every rank holds, not from one tensor's mesh, so a box is written once
-    however the meshes are nested. Biggest boxes first, each to its least-loaded holder.
+    however the meshes are nested. A box one rank holds is that rank's; the others, biggest
+    first, each go to its least-loaded holder. Why not all of them in size order, as before:
+    under FSDP2 every box has one holder, and sorting every rank's boxes took 0.7 s of 2.9 s
+    at 16 ranks x 26,800 tensors, every rank, for nothing to choose.
     """
     holders: dict[tuple, list[int]] = {}
-    nbytes: dict[tuple, int] = {}
+    dtypes: dict[tuple, str] = {}
     for rank, d in enumerate(descriptions):
         for name, offsets, sizes, dtype, _ in d["sharded"]:
             key = (name, tuple(offsets), tuple(sizes))
-            holders.setdefault(key, []).append(rank)
-            nbytes[key] = math.prod(sizes) * dtype_itemsize(dtype)
+            held = holders.get(key)
+            if held is None:
+                holders[key] = [rank]
+                dtypes[key] = dtype
+            else:
+                held.append(rank)
+
+    def nbytes(key: tuple) -> int:
+        return math.prod(key[2]) * dtype_itemsize(dtypes[key])
+
     load = [0] * len(descriptions)
     writers: dict[tuple, int] = {}
-    for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
+    shared = []
+    for key, held in holders.items():
+        if len(held) == 1:
+            writers[key] = held[0]
+            load[held[0]] += nbytes(key)
+        else:
+            shared.append(key)
+    for key in sorted(shared, key=lambda k: (-nbytes(k), k)):
         writer = min(holders[key], key=lambda r: (load[r], r))
         writers[key] = writer
-        load[writer] += nbytes[key]
+        load[writer] += nbytes(key)
     return writers
 
 
