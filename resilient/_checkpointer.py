@@ -135,7 +135,7 @@ def _refuse_different_remotes(urls: list[object]) -> None:
                          "rank, made once (e.g. by the launcher, in an environment variable), not per rank")
 
 
-def same_url(a: str, b: str) -> bool:
+def _same_url(a: str, b: str) -> bool:
     """Whether two remote URLs name one place (a trailing slash aside)."""
     return a.rstrip("/") == b.rstrip("/")
 
@@ -399,7 +399,7 @@ class Checkpointer:
             recorded = json.loads(self._local_storage.read(REMOTE_RECORD))["url"]
         except (OSError, ValueError, KeyError, TypeError):
             return None  # unreadable: as if unrecorded
-        if not isinstance(recorded, str) or same_url(recorded, remote) or not self._tier.committed_steps():
+        if not isinstance(recorded, str) or _same_url(recorded, remote) or not self._tier.committed_steps():
             return None
         return recorded
 

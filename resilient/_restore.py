@@ -457,6 +457,14 @@ def _saved_keys(node: dict[str, Any]) -> list[Any]:
     return [item[0] for item in state_dict.get("items", ()) if isinstance(item, list) and item]
 
 
+def _planned(key: str, target: Any, node: dict[str, Any], manifest: dict[str, Any], rank: int,
+             world_size: int) -> tuple["_Entry", str, dict[str, torch.Tensor], set[str]]:
+    """(the entry's plan, its path, the target's tensors by name, the names ``node`` saved)."""
+    entry, path = _plan_entry(key, target, node, manifest, rank, world_size)
+    targets = flatten_target(entry.inner, path) if path else {}
+    return entry, path, targets, {name for source in entry.sources for name in tensor_names(source)}
+
+
 def _warn_if_values_differ(key: str, manifest: dict[str, Any], rank: int, world_size: int,
                            where: str | None) -> None:
     """At another world size, an entry whose saved values (not only its names) differ by
@@ -676,16 +684,12 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 f"key {key!r} is not in the checkpoint of step {step} "
                 f"(it holds: {', '.join(map(repr, saved_entries)) or 'nothing'})"
             )
-        entry, path = _plan_entry(key, target, node, manifest, rank, world_size)
         # Tensors the target already holds are filled in place (so DTensors keep their
         # sharding); everything else is built fresh from the checkpoint.
-        targets = flatten_target(entry.inner, path) if path else {}
-        saved_names = {name for source in entry.sources for name in tensor_names(source)}
+        entry, path, targets, saved_names = _planned(key, target, node, manifest, rank, world_size)
         joined = key in partitioned and (node is partitioned[key][0] or resized or not set(targets) <= saved_names)
         if joined and node is not partitioned[key][0]:
-            entry, path = _plan_entry(key, target, partitioned[key][0], manifest, rank, world_size)
-            targets = flatten_target(entry.inner, path) if path else {}
-            saved_names = {name for source in entry.sources for name in tensor_names(source)}
+            entry, path, targets, saved_names = _planned(key, target, partitioned[key][0], manifest, rank, world_size)
         if joined and resized:
             _warn_if_values_differ(key, manifest, rank, world_size, partitioned[key][1])
         entries.append(entry)

@@ -19,8 +19,8 @@ __all__ = ["merged", "partitioned_entries", "whole_tree"]
 def merged(nodes: list[dict[str, Any]], path: str = "") -> tuple[dict[str, Any], str | None]:
     """(one node holding every name of ``nodes``, the path of the first place where they
     disagree on more than which names they hold, or None). Dicts and objects' state dicts
-    are joined key by key; where nodes of other kinds differ (a value, a list: a stage's
-    optimizer ``param_groups``), the first wins: pass this rank's first."""
+    are joined key by key, and optimizer parameter groups group by group; where nodes of
+    other kinds differ (a value, another list), the first wins: pass this rank's first."""
     first = nodes[0]
     rest = [node for node in nodes[1:] if node is not first and node != first]
     if not rest:
