@@ -662,6 +662,7 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
     step = manifest["step"]
     record = manifest["ranks"][rank if rank < manifest["world_size"] else 0]
     saved_entries = dict(record["tree"]["items"])
+    own_keys = list(saved_entries)
     # entries whose nodes differ by rank (pipeline stages'): every rank's names joined, taken
     # where this rank's own node does not serve (another world size, or names it lacks)
     partitioned = partitioned_entries(manifest, rank)
@@ -739,7 +740,7 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
     converted = sorted(name for name, dest in destinations.items() if dest.converts)
     if converted and rank == 0:
         _warn_converted(step, converted, destinations)
-    unasked = [key for key in saved_entries if key not in state]
+    unasked = [key for key in own_keys if key not in state]  # another stage's entries are its own
     if strict and unasked and rank == 0:
         # a forgotten entry (the scheduler, the data loader) would go on from its initial
         # state while the run resumes; a part restored on purpose is strict=False's

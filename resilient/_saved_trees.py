@@ -81,7 +81,7 @@ def partitioned_entries(manifest: dict[str, Any], rank: int) -> dict[str, tuple[
     out = {}
     for key, nodes in by_key.items():
         node, disagreed = merged(nodes, key)
-        if node is not nodes[0] or disagreed:
+        if node is not nodes[0] or disagreed or len(nodes) < len(trees):  # or only some ranks saved it
             out[key] = (node, disagreed)
     return out
 

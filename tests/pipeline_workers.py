@@ -203,6 +203,24 @@ def raw_optimizer_refused(a: dict) -> None:
             raise AssertionError("one name for two tensors was saved")
 
 
+def last_stage_entry(a: dict) -> None:
+    """An entry only the last stage saves (its head's state): restored whole on one rank,
+    and at the same split by the rank that holds it, the other rank not told of it."""
+    rank, world = init()
+    head = {"scale": torch.full((3,), 7.0)}
+    with Checkpointer(a["root"], keep=None) as ckpt:
+        if a.get("restore"):
+            state = {"progress": {}, "head": {"scale": torch.zeros(3)}} if rank == world - 1 else {"progress": {}}
+            assert ckpt.restore(state) == 1
+            if rank == world - 1:
+                assert torch.equal(state["head"]["scale"], head["scale"])
+            print(f"rank {rank} restored {sorted(state)}", flush=True)
+        else:
+            state = {"progress": {"epoch": 2}, **({"head": head} if rank == world - 1 else {})}
+            ckpt.save(1, state, force=True)
+            ckpt.wait()
+
+
 def own_values(a: dict) -> None:
     """Plain values saved differently by each rank (a counter of its own, outside PerRank):
     at the same world size each rank gets back exactly what it saved, not every rank's."""
@@ -215,7 +233,8 @@ def own_values(a: dict) -> None:
     assert back == {"meta": {f"seen_by_{rank}": rank, "shared": 1}}, back
 
 
-SCENARIOS = {f.__name__: f for f in (save, resume, another_split, raw_optimizer_refused, sharded_stages, own_values)}
+SCENARIOS = {f.__name__: f for f in (save, resume, another_split, raw_optimizer_refused, sharded_stages, own_values,
+                                     last_stage_entry)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

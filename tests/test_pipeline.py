@@ -111,3 +111,15 @@ def test_values_that_differ_by_rank_come_back_as_each_rank_saved_them(tmp_path):
     """Joining the ranks' trees serves a rank only where its own does not (another world
     size, names it lacks): at the same world size each rank gets its own values back."""
     _run("own_values", 2, {"root": str(tmp_path / "ckpt")})
+
+
+def test_an_entry_only_the_last_stage_saves_restores_where_it_is_asked_for(tmp_path):
+    """A top-level entry one stage alone saved was missing from the other ranks' trees, so
+    a rank asking for it at another split (or whole, on one rank) got "not in the
+    checkpoint"; and at the same split the other stages were warned of it as forgotten."""
+    root = str(tmp_path / "ckpt")
+    _run("last_stage_entry", 2, {"root": root})
+    whole = _run("last_stage_entry", 1, {"root": root, "restore": True})
+    assert "restored ['head', 'progress']" in whole[0].output, whole[0].output[-2000:]
+    same = _run("last_stage_entry", 2, {"root": root, "restore": True})
+    assert "also holds" not in same[0].output, same[0].output[-2000:]
