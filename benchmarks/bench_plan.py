@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from resilient import _snapshot
-from resilient._snapshot import plan_rank
+from resilient import _plan
+from resilient._plan import plan_rank
 
 SIDE = 64
 
@@ -44,16 +44,18 @@ def _descriptions(ranks: int, tensors: int, layout: str) -> tuple[dict[str, torc
     """(rank 0's tensors, every rank's description as gathered, the bytes gathered to a rank)."""
     rows = max(1, SIDE // ranks) if layout == "sharded" else SIDE
     own = {f"model/layers.{i}.weight": torch.zeros(rows, SIDE) for i in range(tensors)}
+    empty: dict[str, Any] = {"own": [], "aliases": []}
     if layout == "replicated":
         plain = [[name, 1234567, "float32", [SIDE, SIDE]] for name in own]
-        descriptions = [{"sharded": [], "plain": plain, "aliases": []} for _ in range(ranks)]
-        heads = [{"sharded": [], "aliases": [], "plain": "0" * 64} for _ in range(ranks)]
-        moved = len(pickle.dumps(heads)) + len(pickle.dumps([plain] + [None] * (ranks - 1)))
-    else:
-        descriptions = [{"sharded": [[name, [r * rows, 0], [rows, SIDE], "float32", [rows * ranks, SIDE]]
-                                     for name in own], "plain": [], "aliases": []} for r in range(ranks)]
-        moved = len(pickle.dumps([{**d, "plain": "0" * 64} for d in descriptions]))
-        moved += len(pickle.dumps([[]] + [None] * (ranks - 1)))
+        descriptions = [{**empty, "sharded": [], "boxes": [], "plain": plain} for _ in range(ranks)]
+    else:  # every rank's list is one object, as gather_descriptions hands it out; one class
+        sharded = [[name, "float32", [rows * ranks, SIDE], 0] for name in own]
+        descriptions = [{**empty, "sharded": sharded, "boxes": [[[r * rows, 0], [rows, SIDE]]], "plain": []}
+                        for r in range(ranks)]
+    digest = "0" * 64
+    heads = [{**d, "sharded": digest, "plain": digest} for d in descriptions]
+    lists = [{"sharded": descriptions[0]["sharded"], "plain": descriptions[0]["plain"]}] + [{}] * (ranks - 1)
+    moved = len(pickle.dumps(heads)) + len(pickle.dumps(lists))
     return own, descriptions, moved
 
 
@@ -86,8 +88,8 @@ def _timed(fn: Any, rounds: int) -> float:
 
 def _mark_dtensors(layout: str) -> None:
     """The sharded layout's tensors stand for DTensors (their boxes are in the descriptions)."""
-    real = _snapshot.__dict__.setdefault("_real_is_dtensor", _snapshot.is_dtensor)
-    _snapshot.is_dtensor = (lambda t: True) if layout == "sharded" else real  # type: ignore[assignment]
+    real = _plan.__dict__.setdefault("_real_is_dtensor", _plan.is_dtensor)
+    _plan.is_dtensor = (lambda t: True) if layout == "sharded" else real  # type: ignore[assignment]
 
 
 def run_case(ranks: int, tensors: int, layout: str, rounds: int) -> dict[str, Any]:

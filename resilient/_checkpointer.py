@@ -35,7 +35,8 @@ from ._preempt import watch as watch_preemption
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng, parse_rng
-from ._snapshot import RankPlan, Staging, describe, gather_descriptions, layout_key, plan_rank
+from ._plan import describe, gather_descriptions, plan_rank
+from ._snapshot import RankPlan, Staging, layout_key
 from ._storage import (LocalStorage, Storage, missing_bucket, open_storage, refuse_a_mistyped_url,
                        refuse_a_root_that_is_no_directory)
 from ._transfer import ProgressLog, copy_step, missing_files

@@ -1,7 +1,7 @@
-"""Planning what this rank writes, and the snapshot: the only part of a save that stalls.
+"""The snapshot: the only part of a save that stalls, and the boxes of DTensors it copies.
 
-The plan decides, from the flattened state, which byte ranges of which tensors this rank
-owns (see ``_layout``). The snapshot copies exactly those ranges into one reusable host
+The plan (``_plan``) decides, from the flattened state, which byte ranges of which tensors
+this rank owns (see ``_layout``). The snapshot copies exactly those ranges into one reusable host
 buffer, in file order, each starting on a ``BLOB_ALIGN`` boundary (the buffer is the
 rank's data file); the background writer then works from the buffer while training
 mutates the tensors.
@@ -11,24 +11,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import json
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from ._chunkio import crc32
 from ._errors import UnsupportedStateError
 from ._fence import CopyProgress, CopyThread, StagingFence, register
-from ._format import dtype_itemsize, dtype_name
 from ._hostmem import HostBuffer
-from ._layout import Box, replicated_slices, shard_box, sharding_order
+from ._layout import Box, shard_box, sharding_order
 
-__all__ = ["Blob", "RankPlan", "describe", "gather_descriptions", "plan_rank", "Staging", "is_dtensor",
-           "dtensor_box", "byte_view", "bitwise", "local_tensor", "storage_shortfall"]
+__all__ = ["Blob", "RankPlan", "Staging", "is_dtensor", "dtensor_box", "byte_view", "bitwise", "local_tensor",
+           "storage_shortfall"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -199,268 +194,6 @@ def layout_key(tensors: dict[str, torch.Tensor]) -> tuple:
         )
         for name, t in tensors.items()
     )
-
-
-_FINGERPRINT_WHOLE = 1 << 20  # bytes hashed whole; larger tensors are sampled
-_FINGERPRINT_SAMPLE = 1 << 16
-
-
-def fingerprint(t: torch.Tensor) -> int:
-    """A CRC of a plain tensor's bytes (an even sample of 64 KiB of them above 1 MiB).
-
-    Run once per layout, to catch state that differs by rank where it would be saved once
-    as replicated: a per-rank generator or counter differs in most bytes, so a sample
-    finds it without reading gigabytes of a replicated model.
-    """
-    flat = byte_view(t)
-    if flat.numel() > _FINGERPRINT_WHOLE:
-        stride = flat.numel() // _FINGERPRINT_SAMPLE
-        flat = flat[: stride * _FINGERPRINT_SAMPLE : stride]
-    return crc32(flat.cpu().numpy().tobytes())
-
-
-def find_aliases(tensors: dict[str, torch.Tensor], skip: set[str]) -> dict[str, str]:
-    """name -> the first name of the same memory (tied weights: an embedding and the output
-    layer share one tensor). Such names are written once and share the saved pieces."""
-    first: dict[tuple, str] = {}
-    aliases: dict[str, str] = {}
-    for name, t in tensors.items():
-        if name in skip:
-            continue
-        local = local_tensor(t)
-        if local.numel() == 0:
-            continue
-        placement = (tuple(t.placements), id(t.device_mesh)) if is_dtensor(t) else None
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
-               local.stride(), local.dtype, local.device, tuple(t.shape), placement)
-        if key in first:
-            aliases[name] = first[key]
-        else:
-            first[key] = name
-    return aliases
-
-
-def describe(tensors: dict[str, torch.Tensor], per_rank: set[str], *, alone: bool = False) -> dict[str, list[list[Any]]]:
-    """What this rank holds, for every rank to plan from: its boxes of sharded tensors (its
-    per-rank tensors are a whole box only it holds), each with the tensor's dtype and global
-    shape, and each plain one's dtype, shape and fingerprint (not computed when the rank is
-    ``alone``: nothing to compare with)."""
-    sharded: list[list[Any]] = []
-    plain: list[list[Any]] = []
-    aliases = find_aliases(tensors, per_rank)
-    for name, t in tensors.items():
-        if name in aliases:
-            continue
-        if name in per_rank:
-            sharded.append([name, [0] * t.dim(), list(t.shape), dtype_name(t.dtype), list(t.shape)])
-        elif is_dtensor(t):
-            box = dtensor_box(t, name)
-            sharded.append([name, list(box.offsets), list(box.sizes), dtype_name(t.dtype), list(t.shape)])
-        else:
-            plain.append([name, 0 if alone else fingerprint(t), dtype_name(t.dtype), list(t.shape)])
-    return {"sharded": sharded, "plain": plain, "aliases": sorted(aliases.items())}
-
-
-def gather_descriptions(all_gather: Callable[[object], list[Any]], rank: int,
-                        description: dict[str, list[list[Any]]]) -> list[dict[str, list[list[Any]]]]:
-    """Every rank's ``describe``, in two gathers: first each rank's boxes with a digest of
-    its plain tensors, then each distinct plain list once, from the first rank holding it.
-    Why: under data parallelism every rank's plain list is the same (names, dtypes, shapes,
-    fingerprints), and gathering it from every rank sent world_size copies to every rank:
-    26,800 tensors of a mixture of experts make a 1.5 MB list, 1.5 GB gathered on each of
-    1,024 ranks when the layout is planned."""
-    plain = description["plain"]
-    digest = hashlib.sha256(json.dumps(plain).encode()).hexdigest()
-    heads = all_gather({"sharded": description["sharded"], "aliases": description["aliases"], "plain": digest})
-    first: dict[str, int] = {}
-    for r, head in enumerate(heads):
-        first.setdefault(head["plain"], r)
-    lists = all_gather(plain if first[digest] == rank else None)
-    by_digest = {head["plain"]: lists[r] for r, head in enumerate(heads) if first[head["plain"]] == r}
-    return [{**head, "plain": by_digest[head["plain"]]} for head in heads]
-
-
-def _refuse_rank_dependent(descriptions: list[dict[str, list[list[Any]]]]) -> None:
-    values: dict[str, set[int]] = {}
-    for plain, _, _ in _plain_lists(descriptions):
-        for name, fp, _, _ in plain:
-            values.setdefault(name, set()).add(fp)
-    differ = [name for name, fps in values.items() if len(fps) > 1]
-    if differ:
-        raise UnsupportedStateError(
-            f"state{differ[:5]!r}: plain tensors that differ across ranks ({len(differ)} in all). "
-            "A plain tensor is saved once, as state every rank shares, so every rank would get "
-            "one rank's copy back. Keep state that differs by rank in an entry wrapped in "
-            "resilient.PerRank(...), or make it a DTensor; key an optimizer's state by parameter name "
-            "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict) when ranks hold different "
-            "parameters (pipeline stages)"
-        )
-
-
-def _assign_writers(descriptions: list[dict[str, list[list[Any]]]]) -> dict[tuple, int]:
-    """(name, offsets, sizes) -> the one rank that writes that box.
-
-    Ranks holding the same box (HSDP replicas, FSDP2 meshes repeated across TP ranks) are
-    found from what every rank holds, not from one tensor's mesh, so a box is written once
-    however the meshes are nested. A box one rank holds is that rank's; the others, biggest
-    first, each go to its least-loaded holder. Why not all of them in size order, as before:
-    under FSDP2 every box has one holder, and sorting every rank's boxes took 0.7 s of 2.9 s
-    at 16 ranks x 26,800 tensors, every rank, for nothing to choose.
-    """
-    holders: dict[tuple, list[int]] = {}
-    dtypes: dict[tuple, str] = {}
-    for rank, d in enumerate(descriptions):
-        for name, offsets, sizes, dtype, _ in d["sharded"]:
-            key = (name, tuple(offsets), tuple(sizes))
-            held = holders.get(key)
-            if held is None:
-                holders[key] = [rank]
-                dtypes[key] = dtype
-            else:
-                held.append(rank)
-
-    def nbytes(key: tuple) -> int:
-        return math.prod(key[2]) * dtype_itemsize(dtypes[key])
-
-    load = [0] * len(descriptions)
-    writers: dict[tuple, int] = {}
-    shared = []
-    for key, held in holders.items():
-        if len(held) == 1:
-            writers[key] = held[0]
-            load[held[0]] += nbytes(key)
-        else:
-            shared.append(key)
-    for key in sorted(shared, key=lambda k: (-nbytes(k), k)):
-        writer = min(holders[key], key=lambda r: (load[r], r))
-        writers[key] = writer
-        load[writer] += nbytes(key)
-    return writers
-
-
-def _plain_lists(descriptions: list[dict[str, list[list[Any]]]]) -> list[tuple[list[list[Any]], int, int]]:
-    """Each distinct list of plain tensors (one object, as ``gather_descriptions`` gives
-    ranks that hold the same), with the first rank holding it and how many do. Why: under
-    data parallelism every rank's list is the same, and walking it once per rank was
-    world_size x tensors steps for every check (27 million at 1,024 ranks x 26,800)."""
-    seen: dict[int, list[Any]] = {}
-    for rank, d in enumerate(descriptions):
-        entry = seen.setdefault(id(d["plain"]), [d["plain"], rank, 0])
-        entry[2] += 1
-    return [(plain, rank, count) for plain, rank, count in seen.values()]
-
-
-def _held_by_all(descriptions: list[dict[str, list[list[Any]]]]) -> set[str]:
-    """The plain tensors every rank holds (aliases aside): replicated state."""
-    counts: dict[str, int] = {}
-    for plain, _, holders in _plain_lists(descriptions):
-        for name, _, _, _ in plain:
-            counts[name] = counts.get(name, 0) + holders
-    return {name for name, count in counts.items() if count == len(descriptions)}
-
-
-def _refuse_one_name_for_two_tensors(descriptions: list[dict[str, list[list[Any]]]]) -> None:
-    """Raise, on every rank alike, when ranks hold tensors of one name with different
-    dtypes, global shapes, or one plain and one a DTensor: a checkpoint name is one tensor.
-    The usual cause is an optimizer under pipeline parallelism, whose state each stage keys
-    0, 1, 2, ... for its own parameters."""
-    seen: dict[str, tuple[bool, str, list[int], int]] = {}  # name -> (sharded, dtype, shape, first rank)
-    for plain, rank, _ in _plain_lists(descriptions):
-        for name, _, dtype, shape in plain:
-            first = seen.setdefault(name, (False, dtype, shape, rank))
-            if first[0] or first[1] != dtype or first[2] != shape:
-                _two_tensors(name, first, (False, dtype, shape, rank))
-    for rank, d in enumerate(descriptions):
-        for name, _, _, dtype, shape in d["sharded"]:
-            first = seen.setdefault(name, (True, dtype, shape, rank))
-            if not first[0] or first[1] != dtype or first[2] != shape:
-                _two_tensors(name, first, (True, dtype, shape, rank))
-
-
-def _two_tensors(name: str, *held: tuple[bool, str, list[int], int]) -> None:
-    what = [f"rank {rank} {'a DTensor' if sharded else 'a tensor'} of {dtype} {list(shape)}"
-            for sharded, dtype, shape, rank in held]
-    raise UnsupportedStateError(
-        f"state[{name!r}] is not one tensor on every rank that holds it: {what[0]}, {what[1]}. Keep state "
-        "that differs by rank in resilient.PerRank(...); key an optimizer's state by parameter name "
-        "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict) when stages hold different parameters")
-
-
-def _global_meta(tensors: dict[str, torch.Tensor], per_rank: set[str], descriptions: list[dict[str, list[list[Any]]]],
-                 rank: int, everywhere: set[str]) -> dict[str, dict[str, Any]]:
-    """Every rank's tensors' dtype, shape and layout: the same on every rank (this rank's
-    first, in its order, then the others' it lacks)."""
-    meta: dict[str, dict[str, Any]] = {}
-    aliases = dict(descriptions[rank]["aliases"])
-
-    def layout(name: str, dtensor: bool) -> str:
-        return "sharded" if dtensor or name not in everywhere else "replicated"
-
-    for name, t in tensors.items():
-        if name in per_rank:
-            continue
-        meta[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-        if name in aliases:
-            meta[name]["same_as"] = aliases[name]
-        meta[name]["layout"] = layout(aliases.get(name, name), is_dtensor(t))
-    for plain, _, _ in _plain_lists(descriptions):  # what only other ranks hold
-        for name, _, dtype, shape in plain:
-            meta.setdefault(name, {"dtype": dtype, "shape": shape, "layout": layout(name, False)})
-    for d in descriptions:  # every rank's per-rank tensors, and DTensors only other ranks hold
-        for name, _, _, dtype, shape in d["sharded"]:
-            meta.setdefault(name, {"dtype": dtype, "shape": shape, "layout": "sharded"})
-    for d in descriptions:
-        for name, source in d["aliases"]:
-            if name not in meta and source in meta:
-                meta[name] = {**meta[source], "same_as": source}
-    return meta
-
-
-def plan_rank(
-    tensors: dict[str, torch.Tensor],
-    per_rank: set[str],
-    descriptions: list[dict[str, list[list[Any]]]],
-    rank: int,
-    world_size: int,
-) -> RankPlan:
-    """This rank's part of a save, from every rank's ``describe`` (the same list on all
-    ranks, so every rank computes the same global decisions).
-
-    A plain tensor every rank holds is replicated state: its bytes are split over all
-    ranks. One that only some ranks hold (a pipeline stage's layers, the same names on the
-    stage's data-parallel replicas) is written whole, once, by one of its holders, as a
-    sharded tensor of one box. The manifest's tensors are every rank's, so every rank
-    computes the same ``meta``, whatever part of it this rank holds."""
-    _refuse_one_name_for_two_tensors(descriptions)
-    _refuse_rank_dependent(descriptions)
-    everywhere = _held_by_all(descriptions)
-    whole = {id(plain): [[name, [0] * len(shape), shape, dtype, shape]
-                         for name, _, dtype, shape in plain if name not in everywhere]
-             for plain, _, _ in _plain_lists(descriptions)}  # a box each, for what only some ranks hold
-    boxes = [{"sharded": d["sharded"] + whole[id(d["plain"])]} for d in descriptions]
-    writers = _assign_writers(boxes)
-    meta = _global_meta(tensors, per_rank, descriptions, rank, everywhere)
-    replicated_sizes = [(name, math.prod(shape) * dtype_itemsize(dtype))
-                        for name, _, dtype, shape in descriptions[0]["plain"] if name in everywhere]
-    blobs: list[Blob] = []
-    shards: list[list[Any]] = []
-    offset = 0
-    for name, offsets, sizes, _, _ in boxes[rank]["sharded"]:
-        box = Box(tuple(offsets), tuple(sizes))
-        if writers[(name, box.offsets, box.sizes)] == rank and box.numel:
-            nbytes = box.numel * tensors[name].element_size()
-            offset = align_up(offset)
-            blobs.append(Blob(name, 0, nbytes, offset))
-            shards.append([name, offsets, sizes, offset, nbytes])
-            offset += nbytes
-    replicated: list[list[Any]] = []
-    for piece in replicated_slices(replicated_sizes, rank, world_size):
-        offset = align_up(offset)
-        blobs.append(Blob(piece.name, piece.start, piece.length, offset))
-        replicated.append([piece.name, piece.start, piece.length, offset])
-        offset += piece.length
-    signature = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
-    return RankPlan(blobs, meta, signature, replicated, shards)
 
 
 #: blobs up to this size are copied by one ``memmove`` from the tensor's memory when it is
