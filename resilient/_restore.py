@@ -426,11 +426,11 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
     ``saved``'s own."""
     if id(live) in filled:
         return saved
-    holder = live if is_stateful(live) else stateful_generator(live)
-    if holder is not None and isinstance(saved, dict):
+    if (is_stateful(live) or stateful_generator(live) is not None) and isinstance(saved, dict):
         filled.add(id(live))
-        if isinstance(live, torch.nn.Module):
-            live.load_state_dict(saved, strict=strict)
+        holder = state_holder(live, saved)  # a wrapper's module (DDP, torch.compile), as at the top level
+        if isinstance(holder, torch.nn.Module):
+            holder.load_state_dict(saved, strict=strict)
         else:
             holder.load_state_dict(saved)
         return live

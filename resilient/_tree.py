@@ -170,14 +170,14 @@ class Flattened:
                 seen[child] = key
                 # an object in the program's own dict (the models of a GAN under one entry) is
                 # saved through its state_dict(), as at the top; not one inside a state_dict()
-                items.append([key, self.encode(value, child, expand_stateful=expand_stateful)])
+                items.append([key, self.encode(_held(value, expand_stateful), child, expand_stateful=expand_stateful)])
             return {"t": "dict", "items": items}
         if isinstance(obj, (list, tuple)):
             kind = "list" if isinstance(obj, list) else "tuple"
             return {
                 "t": kind,
                 "items": [
-                    self.encode(v, child_path(path, i), expand_stateful=expand_stateful)
+                    self.encode(_held(v, expand_stateful), child_path(path, i), expand_stateful=expand_stateful)
                     for i, v in enumerate(obj)
                 ],
             }
@@ -187,6 +187,13 @@ class Flattened:
             f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
             f"cannot be checkpointed without pickle; {_remedy(obj)}"
         )
+
+
+def _held(value: Any, expand_stateful: bool) -> Any:
+    """What holds the state of an object in the program's own dicts and lists: a module
+    wrapper's (DDP, torch.compile) module, as at the top level (``_wrappers``), so the
+    checkpoint names the module's own keys and restores into the model wrapped or not."""
+    return state_holder(value) if expand_stateful and is_stateful(value) else value
 
 
 def _remedy(obj: Any) -> str:

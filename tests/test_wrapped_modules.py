@@ -65,6 +65,29 @@ def test_a_compiled_models_checkpoint_restores_into_the_plain_model_and_the_othe
         assert torch.equal(fresh_optim.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
 
 
+def test_wrapped_models_in_the_programs_own_dicts_save_their_modules_keys(root):
+    """A GAN's models, compiled, under one entry: saved without the wrapper's prefix, as at
+    the top level, so an evaluation script restores them into plain models and a resumed
+    run into compiled ones. Before, a nested wrapper kept "_orig_mod." in every name and the
+    plain models were refused (the checkpoint "has entries the module lacks")."""
+    gen, disc = _model(0), _model(1)
+    optims = [_trained(gen), _trained(disc)]
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(1, {"models": {"gen": torch.compile(gen, backend="eager"), "disc": disc}, "optims": optims}).result()
+    names = _saved_names(root, 1)
+    assert "models/gen/0.weight" in names and not any("_orig_mod" in n for n in names), names
+    for wrap in (lambda m: m, lambda m: torch.compile(m, backend="eager")):
+        fresh_gen, fresh_disc = _model(2), _model(3)
+        fresh_optims = [torch.optim.Adam(fresh_gen.parameters(), lr=1e-2),
+                        torch.optim.Adam(fresh_disc.parameters(), lr=1e-2)]
+        models = {"gen": wrap(fresh_gen), "disc": wrap(fresh_disc)}
+        with Checkpointer(root, rng=False) as ckpt:
+            assert ckpt.restore({"models": models, "optims": fresh_optims}) == 1
+        assert _same(fresh_gen, gen) and _same(fresh_disc, disc)
+        assert torch.equal(fresh_optims[0].state_dict()["state"][0]["exp_avg"],
+                           optims[0].state_dict()["state"][0]["exp_avg"])
+
+
 class _Holder(torch.nn.Module):
     """A module whose keys carry a wrapper's prefix: what an earlier version saved from a
     compiled (``_orig_mod``) or DDP-wrapped (``module``) model."""
