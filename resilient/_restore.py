@@ -259,15 +259,15 @@ def _without(node: dict[str, Any], names: set[str]) -> dict[str, Any]:
 
 def _held_in(target: Any, path: str, node: dict[str, Any], kind: type) -> Iterator[tuple[Any, str, dict[str, Any]]]:
     """(object, its name, its saved node) for the entry ``target`` if it is a ``kind``, and
-    for the ``kind`` objects in its dicts and lists (a GAN's models and their optimizers
-    under one entry)."""
+    for the ``kind`` objects in its dicts, lists and tuples (a GAN's models and their
+    optimizers under one entry)."""
     if isinstance(target, kind):
         yield target, path, node
     elif isinstance(target, dict) and node.get("t") == "dict":
         for key, child in node["items"]:
             if key in target:
                 yield from _held_in(target[key], child_path(path, key), child, kind)
-    elif isinstance(target, list) and node.get("t") == "list":
+    elif isinstance(target, (list, tuple)) and node.get("t") in ("list", "tuple"):
         for index, (live, child) in enumerate(zip(target, node["items"])):
             yield from _held_in(live, child_path(path, index), child, kind)
 
@@ -446,7 +446,26 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
         live[:] = [_into(live[i] if i < len(live) else None, value, filled, strict)
                    for i, value in enumerate(saved)]
         return live
+    if isinstance(live, tuple) and type(saved) is tuple:
+        return _as_tuple_like(live, saved, filled, strict)
     return saved
+
+
+def _as_tuple_like(live: tuple, saved: tuple, filled: set[int], strict: bool) -> tuple:
+    """``saved`` as a tuple of ``live``'s kind, its items put into ``live``'s (a tuple of
+    models loads them): a namedtuple stays one (the program reads its fields by name), a
+    ``torch.Size`` stays one; any other kind is a plain tuple, as saved. Why: the checkpoint
+    holds a tuple's items only (no pickle, so no class), and a restore handed back a plain
+    tuple for ``Progress(epoch=3, step=7)``, breaking ``progress.epoch``, and a tuple of
+    state dicts in place of a tuple of modules."""
+    if isinstance(live, torch.Size):
+        return torch.Size(saved) if all(type(i) is int for i in saved) else saved
+    if len(live) != len(saved):
+        return saved
+    items = [_into(mine, value, filled, strict) for mine, value in zip(live, saved)]
+    if hasattr(type(live), "_fields") and hasattr(type(live), "_make"):
+        return type(live)._make(items)  # type: ignore[attr-defined]
+    return tuple(items)
 
 
 def _saved_keys(node: dict[str, Any]) -> list[Any]:

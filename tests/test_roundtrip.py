@@ -1,5 +1,6 @@
 """Single-process behaviour of the engine: every state kind, bitwise, and its edges."""
 
+import collections
 import math
 import os
 import random
@@ -9,7 +10,7 @@ import psutil
 import pytest
 import torch
 
-from resilient import Checkpointer, KeepEvery, KeepLast, AnyOf
+from resilient import AnyOf, Checkpointer, KeepEvery, KeepLast, StateError
 
 
 class Counter:
@@ -401,12 +402,49 @@ def test_a_keys_name_does_not_depend_on_the_keys_named_before_it():
     assert first == second == ["x/Part.HEAD", "y/head"]
 
 
+Progress = collections.namedtuple("Progress", "epoch step")
+
+
+def test_tuples_come_back_as_the_programs_kind_and_a_tuple_of_models_loads_them(root):
+    """A namedtuple comes back as one (``progress.epoch`` works), a ``torch.Size`` as one, and
+    a tuple of models (and of their optimizers) is loaded into the program's models. Before,
+    each came back a plain tuple: of plain values, and of state dicts in place of the models."""
+    torch.manual_seed(0)
+    pair = (torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    optims = (torch.optim.Adam(pair[0].parameters()), torch.optim.Adam(pair[1].parameters()))
+    pair[1](pair[0](torch.randn(2, 3))).sum().backward()
+    for optim in optims:
+        optim.step()
+    saved = {"pair": pair, "optims": optims, "progress": Progress(3, 70), "shape": torch.Size([4, 5]),
+             "plain": (1, "a")}
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(1, saved).result()
+    live = (torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    live_optims = (torch.optim.Adam(live[0].parameters()), torch.optim.Adam(live[1].parameters()))
+    state = {"pair": live, "optims": live_optims, "progress": Progress(0, 0), "shape": torch.Size([1]),
+             "plain": ()}
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert state["progress"] == Progress(3, 70) and state["progress"].epoch == 3
+    assert type(state["shape"]) is torch.Size and state["shape"] == torch.Size([4, 5])
+    assert state["plain"] == (1, "a")
+    assert state["pair"][0] is live[0] and state["optims"][1] is live_optims[1]
+    for got, want in zip(live, pair):
+        assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
+    assert str(live_optims[1].state_dict()) == str(optims[1].state_dict())
+    # a module in the tuple lacking saved entries is named, as in a dict
+    smaller = {**state, "pair": (torch.nn.Linear(3, 3), torch.nn.Linear(3, 1, bias=False))}
+    with Checkpointer(root, rng=False) as ckpt:
+        with pytest.raises(StateError, match=r"key 'pair/1': the checkpoint of step 1 has entries the module lacks"):
+            ckpt.restore(smaller)
+
+
 def test_objects_in_the_programs_own_dicts_and_lists_save_and_restore_in_place(root):
     """A GAN's models under one entry, their optimizers in a list: each is saved through
     its state_dict() and restored through its load_state_dict(), the program's own objects
     kept. Before, saving refused them, with a remedy ("an object with state_dict()") that
     they already were; and a restore target holding one replaced it with a plain dict."""
-    from resilient import StateError, UnsupportedStateError
+    from resilient import UnsupportedStateError
 
     def gan(seed):
         torch.manual_seed(seed)
