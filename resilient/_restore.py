@@ -46,6 +46,7 @@ from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, MutableMapping
 
+import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
@@ -448,6 +449,19 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
         return live
     if isinstance(live, tuple) and type(saved) is tuple:
         return _as_tuple_like(live, saved, filled, strict)
+    if isinstance(live, np.ndarray) and isinstance(saved, np.ndarray):
+        return _as_array(live, saved)
+    if isinstance(live, np.generic) and type(saved) in (bool, int, float):
+        return type(live)(saved)  # np.int64, np.float32, np.bool_: the kind the program held
+    return saved
+
+
+def _as_array(live: np.ndarray, saved: np.ndarray) -> np.ndarray:
+    """A saved numpy array, into the program's array when it fits (same shape and dtype,
+    writable: a reference to it sees the restored values), else the saved one."""
+    if live.flags.writeable and live.shape == saved.shape and live.dtype == saved.dtype:
+        live[...] = saved
+        return live
     return saved
 
 

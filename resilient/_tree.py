@@ -12,10 +12,12 @@ import datetime
 import enum
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 from urllib.parse import quote
 
+import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
@@ -183,6 +185,12 @@ class Flattened:
             }
         if isinstance(obj, _SCALARS):
             return {"t": "v", "v": obj}
+        if isinstance(obj, np.generic) and type(obj.item()) in (bool, int, float):
+            return {"t": "v", "v": obj.item()}  # back as numpy's kind where the program holds one
+        if isinstance(obj, np.ndarray):
+            if not self.saving:  # filled where it fits, replaced where not (_restore._into)
+                return {"t": "v", "v": None}
+            return {**self.encode(_array_tensor(obj, path), path, expand_stateful=False), "numpy": True}
         raise UnsupportedStateError(
             f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
             f"cannot be checkpointed without pickle; {_remedy(obj)}"
@@ -196,6 +204,35 @@ def _held(value: Any, expand_stateful: bool) -> Any:
     return state_holder(value) if expand_stateful and is_stateful(value) else value
 
 
+def _array_tensor(array: np.ndarray, path: str) -> torch.Tensor:
+    """A numpy array's values as a tensor (its memory, when contiguous), saved as one and
+    restored as an array where the program holds one: numpy's arrays are what torch.save
+    users keep in a sampler's or a metric's state. Kinds with no tensor dtype (strings,
+    objects, dates) are refused by path."""
+    if array.dtype.kind not in "biufc" or array.dtype.byteorder == ">":
+        raise UnsupportedStateError(
+            f"state[{path!r}]: a numpy array of dtype {array.dtype} cannot be checkpointed without pickle; "
+            "store numbers (array.astype(...)), or strings in a list (array.tolist())")
+    with warnings.catch_warnings():  # a read-only array: the save only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            return torch.from_numpy(np.ascontiguousarray(array))
+        except TypeError as exc:  # float128 and the like
+            raise UnsupportedStateError(f"state[{path!r}]: a numpy array of dtype {array.dtype} has no tensor "
+                                        f"dtype ({exc}); convert it (array.astype(np.float64))") from exc
+
+
+def _as_numpy(value: Any) -> Any:
+    """A tensor saved from a numpy array, as an array again (sharing its memory); one that
+    cannot be (a manifest's flag on a bfloat16 tensor) stays a tensor."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.requires_grad:
+        try:
+            return value.numpy()
+        except (TypeError, RuntimeError):
+            return value
+    return value
+
+
 def _remedy(obj: Any) -> str:
     """What to store instead of ``obj``: numpy's values, which torch.save users keep in their
     state, get the conversion that keeps them whole; a random generator, where it is kept."""
@@ -206,9 +243,7 @@ def _remedy(obj: Any) -> str:
         return ("a random generator is saved in the state itself or its own dicts and lists (state['name'] = "
                 "generator), and restored into the same object; not inside a state_dict()")
     if type(obj).__module__ == "numpy":
-        if type(obj).__name__ == "ndarray":
-            return "store torch.from_numpy(value) (restored as a tensor; .numpy() gives the array back)"
-        return "store value.item() (a Python number, restored as one)"
+        return "store value.item() (a Python value, restored as one), or value.tolist()"
     for kinds, instead in _INSTEAD:
         if isinstance(obj, kinds):
             return f"store {instead}"
@@ -266,19 +301,22 @@ def tensor_names(node: dict[str, Any]) -> list[str]:
     return names
 
 
-def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor]) -> Any:
-    """Rebuild a Python value from a skeleton node, asking ``tensor(name)`` for tensors."""
+def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, arrays: bool = True) -> Any:
+    """Rebuild a Python value from a skeleton node, asking ``tensor(name)`` for tensors; a
+    tensor saved from a numpy array comes back as an array unless ``arrays`` is False (an
+    export: every file format it writes holds tensors)."""
     kind = node["t"]
     if kind == "tensor":
-        return tensor(node["name"])
+        value = tensor(node["name"])
+        return _as_numpy(value) if arrays and node.get("numpy") is True else value
     if kind == "v":
         return node["v"]
     if kind == "dict":
-        return {k: build_value(v, tensor) for k, v in node["items"]}
+        return {k: build_value(v, tensor, arrays=arrays) for k, v in node["items"]}
     if kind == "list":
-        return [build_value(v, tensor) for v in node["items"]]
+        return [build_value(v, tensor, arrays=arrays) for v in node["items"]]
     if kind == "tuple":
-        return tuple(build_value(v, tensor) for v in node["items"])
+        return tuple(build_value(v, tensor, arrays=arrays) for v in node["items"])
     if kind in ("obj", "per_rank"):
-        return build_value(node["sd"], tensor)
+        return build_value(node["sd"], tensor, arrays=arrays)
     raise ValueError(f"unknown node type {kind!r} in checkpoint tree")

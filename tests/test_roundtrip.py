@@ -402,6 +402,61 @@ def test_a_keys_name_does_not_depend_on_the_keys_named_before_it():
     assert first == second == ["x/Part.HEAD", "y/head"]
 
 
+class _Sampler:
+    """A sampler whose state_dict holds numpy's values, as torch.save users keep them."""
+
+    def __init__(self, n):
+        self.perm, self.position, self.best = np.arange(n), np.int64(0), np.float32(0.0)
+
+    def state_dict(self):
+        return {"perm": self.perm, "position": self.position, "best": self.best}
+
+    def load_state_dict(self, sd):
+        self.perm, self.position, self.best = sd["perm"], sd["position"], sd["best"]
+
+
+def test_numpy_arrays_and_numbers_come_back_as_numpy(root):
+    """numpy's arrays of numbers and its scalars are saved (as tensors and JSON numbers) and
+    come back as numpy: into the program's array where it fits, a new one where not (another
+    shape, read-only), and as arrays inside an object's state_dict, where nothing holds a
+    target. Before, every one was refused at save."""
+    rng = np.random.default_rng(0)
+    sampler = _Sampler(7)
+    sampler.perm, sampler.position, sampler.best = rng.permutation(7), np.int64(5), np.float32(0.25)
+    frozen = np.arange(3, dtype=np.int16)
+    frozen.flags.writeable = False
+    saved = {"sampler": sampler, "stats": {"hist": rng.random((2, 3)), "count": np.int64(3), "flag": np.bool_(True),
+                                           "grown": np.arange(4.0), "frozen": frozen, "odd": np.arange(10)[::-3],
+                                           "mean": np.float64(0.5)}}
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(1, saved).result()
+    hist = np.zeros((2, 3))
+    live_frozen = np.zeros(3, dtype=np.int16)
+    live_frozen.flags.writeable = False
+    state = {"sampler": _Sampler(7), "stats": {"hist": hist, "count": np.int64(0), "flag": np.bool_(False),
+                                               "grown": np.zeros(2), "frozen": live_frozen,
+                                               "odd": np.zeros(4, dtype=np.int64), "mean": np.float64(0)}}
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore(state) == 1
+    got, want = state["stats"], saved["stats"]
+    assert got["hist"] is hist and np.array_equal(hist, want["hist"])  # filled in place
+    for name in ("grown", "frozen", "odd"):  # another shape, read-only: the saved array
+        assert type(got[name]) is np.ndarray and np.array_equal(got[name], want[name]), name
+        assert got[name].dtype == want[name].dtype
+    for name in ("count", "flag", "mean"):
+        assert type(got[name]) is type(want[name]) and got[name] == want[name], name
+    restored = state["sampler"]
+    assert type(restored.perm) is np.ndarray and np.array_equal(restored.perm, sampler.perm)
+    assert restored.position == 5 and restored.best == np.float32(0.25)
+    # read for an export: the tensors they were saved as (what its file formats hold)
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+
+    catalog = Catalog(open_storage(root))
+    tree, _ = catalog.read_state(catalog.manifest(1), 1)
+    assert torch.equal(tree["stats"]["hist"], torch.from_numpy(want["hist"])) and tree["stats"]["count"] == 3
+
+
 Progress = collections.namedtuple("Progress", "epoch step")
 
 
