@@ -263,11 +263,13 @@ class Catalog:
         key: str | None = None,
         allocate: Callable[[dict[str, Any]], torch.Tensor] | None = None,
         progress: Callable[[int], None] = lambda n: None,
+        arrays: bool = False,
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         """(the saved structure, entry ``key`` or all of them, with full tensors; name ->
         tensor). Reading needs no target state: this is how a checkpoint is exported or
         handed to code that expects a ``torch.load``-style dict (numpy's arrays come back as
-        the tensors they were saved as). ``allocate(meta)`` gives the
+        the tensors they were saved as, what an export's formats hold, unless ``arrays``).
+        ``allocate(meta)`` gives the
         memory a tensor is read into (export maps files, to bound memory)."""
         from ._tree import build_value  # here: ``_tree`` imports torch, which the CLI's listings never need
 
@@ -286,9 +288,9 @@ class Catalog:
                 progress(tensors[name].numel() * tensors[name].element_size())
             return tensors[name]
 
-        if key is not None:  # numpy's arrays as the tensors they were saved as: an export's formats hold tensors
-            return build_value(entries[key], tensor, arrays=False), tensors
-        return {k: build_value(node, tensor, arrays=False) for k, node in entries.items()}, tensors
+        if key is not None:
+            return build_value(entries[key], tensor, arrays=arrays), tensors
+        return {k: build_value(node, tensor, arrays=arrays) for k, node in entries.items()}, tensors
 
     # -- deleting -----------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:

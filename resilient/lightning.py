@@ -30,6 +30,7 @@ import os
 import shutil
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from ._catalog import Catalog
@@ -46,8 +47,12 @@ _JSON_SCALARS = (type(None), bool, int, float, str)
 
 
 def _storable(value: Any, path: str, replaced: list[str]) -> Any:
-    """``value`` with every leaf resilient cannot store without pickle replaced by its repr."""
+    """``value`` with every leaf resilient cannot store without pickle replaced by its repr.
+    numpy's numbers are stored as they are (a callback's best score, a sampler's order)."""
     if isinstance(value, torch.Tensor) or isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" or \
+            isinstance(value, np.generic) and type(value.item()) in _JSON_SCALARS:
         return value
     if isinstance(value, Mapping):
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
@@ -121,7 +126,8 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         step = catalog.newest_consistent()
         if step is None:
             raise CheckpointCorruptError(f"{path} holds no committed checkpoint")
-        state, _ = catalog.read_state(catalog.manifest(step), step)  # every chunk read is CRC-checked
+        # every chunk read is CRC-checked; numpy's arrays come back as arrays, as torch.load gives them
+        state, _ = catalog.read_state(catalog.manifest(step), step, arrays=True)
         if isinstance(map_location, (str, torch.device)):
             state = _move(state, torch.device(map_location))
         return state

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,7 +41,9 @@ def _checkpoint(epoch: int) -> dict:
     model = torch.nn.Linear(4, 2)
     return {"epoch": epoch, "global_step": 10 * epoch, "state_dict": model.state_dict(),
             "optimizer_states": [torch.optim.SGD(model.parameters(), lr=0.1).state_dict()],
-            "hyper_parameters": {"width": 4, "activation": torch.nn.GELU, "dtype": torch.bfloat16}}
+            "hyper_parameters": {"width": 4, "activation": torch.nn.GELU, "dtype": torch.bfloat16},
+            "callbacks": {"EarlyStopping": {"best_score": np.float32(0.25), "wait_count": np.int64(epoch),
+                                            "history": np.arange(3.0) * epoch}}}
 
 
 def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
@@ -60,6 +63,11 @@ def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
     assert loaded["hyper_parameters"]["width"] == 4
     assert loaded["hyper_parameters"]["dtype"] == "torch.bfloat16"
     assert "hyper_parameters/activation" in caplog.text
+    # numpy's numbers are stored, not as text: arrays come back as arrays, scalars as numbers
+    early = loaded["callbacks"]["EarlyStopping"]
+    assert early["best_score"] == 0.25 and early["wait_count"] == 2
+    assert type(early["history"]) is np.ndarray and np.array_equal(early["history"], np.arange(3.0) * 2)
+    assert "callbacks" not in caplog.text
     steps = [n for n in os.listdir(path) if n.startswith("step-")]
     assert len(steps) == 1  # the older save at this path was retired after the new commit
     io.teardown()
