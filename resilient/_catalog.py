@@ -263,12 +263,13 @@ class Catalog:
         key: str | None = None,
         allocate: Callable[[dict[str, Any]], torch.Tensor] | None = None,
         progress: Callable[[int], None] = lambda n: None,
-        arrays: bool = False,
+        kinds: bool = False,
     ) -> tuple[Any, dict[str, torch.Tensor]]:
         """(the saved structure, entry ``key`` or all of them, with full tensors; name ->
         tensor). Reading needs no target state: this is how a checkpoint is exported or
-        handed to code that expects a ``torch.load``-style dict (numpy's arrays come back as
-        the tensors they were saved as, what an export's formats hold, unless ``arrays``).
+        handed to code that expects a ``torch.load``-style dict (numpy's arrays, bytes and
+        sets come back as the tensors and lists they are stored as, what an export's formats
+        hold, unless ``kinds``).
         ``allocate(meta)`` gives the
         memory a tensor is read into (export maps files, to bound memory)."""
         from ._tree import build_value  # here: ``_tree`` imports torch, which the CLI's listings never need
@@ -289,8 +290,8 @@ class Catalog:
             return tensors[name]
 
         if key is not None:
-            return build_value(entries[key], tensor, arrays=arrays), tensors
-        return {k: build_value(node, tensor, arrays=arrays) for k, node in entries.items()}, tensors
+            return build_value(entries[key], tensor, kinds=kinds), tensors
+        return {k: build_value(node, tensor, kinds=kinds) for k, node in entries.items()}, tensors
 
     # -- deleting -----------------------------------------------------------------------------
     def delete_step(self, step: int) -> None:

@@ -451,6 +451,14 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
         return _as_tuple_like(live, saved, filled, strict)
     if isinstance(live, np.ndarray) and isinstance(saved, np.ndarray):
         return _as_array(live, saved)
+    if isinstance(live, (set, bytearray)) and type(saved) is type(live):
+        filled.add(id(live))  # mutable: the program's own object takes the saved items
+        if isinstance(live, set):
+            live.clear()
+            live.update(saved)
+        else:
+            live[:] = saved
+        return live
     if isinstance(live, np.generic) and type(saved) in (bool, int, float):
         return type(live)(saved)  # np.int64, np.float32, np.bool_: the kind the program held
     return saved

@@ -191,6 +191,15 @@ class Flattened:
             if not self.saving:  # filled where it fits, replaced where not (_restore._into)
                 return {"t": "v", "v": None}
             return {**self.encode(_array_tensor(obj, path), path, expand_stateful=False), "numpy": True}
+        if isinstance(obj, (bytes, bytearray)):
+            if not self.saving:  # not a target: the saved bytes replace it (_restore._into)
+                return {"t": "v", "v": None}
+            data = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.empty(0, dtype=torch.uint8)
+            return {**self.encode(data, path, expand_stateful=False), "bytes": type(obj).__name__}
+        if isinstance(obj, (set, frozenset)) and all(isinstance(v, _SCALARS) for v in obj):
+            # in an order alike on every rank (ranks' trees are compared); a set's order is not
+            items = sorted(obj, key=lambda v: (type(v).__name__, v))
+            return {"t": "list", "items": [{"t": "v", "v": v} for v in items], "set": type(obj).__name__}
         raise UnsupportedStateError(
             f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
             f"cannot be checkpointed without pickle; {_remedy(obj)}"
@@ -220,6 +229,22 @@ def _array_tensor(array: np.ndarray, path: str) -> torch.Tensor:
         except TypeError as exc:  # float128 and the like
             raise UnsupportedStateError(f"state[{path!r}]: a numpy array of dtype {array.dtype} has no tensor "
                                         f"dtype ({exc}); convert it (array.astype(np.float64))") from exc
+
+
+def _as_bytes(value: Any, kind: str) -> Any:
+    """Saved bytes as bytes again (a manifest's flag on another kind of tensor: its bytes)."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        return value
+    data = bytes(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return data if kind == "bytes" else bytearray(data)
+
+
+def _as_set(items: list[Any], kind: str) -> Any:
+    """A saved set as one again (a manifest's flag on a list of unhashable values: the list)."""
+    try:
+        return set(items) if kind == "set" else frozenset(items)
+    except TypeError:
+        return items
 
 
 def _as_numpy(value: Any) -> Any:
@@ -256,9 +281,7 @@ def _remedy(obj: Any) -> str:
 _INSTEAD: list[tuple[type | tuple[type, ...], str]] = [
     (enum.Enum, "value.name or value.value (and look the member up again at restore)"),
     (os.PathLike, "str(value) (restored as a string)"),
-    ((set, frozenset), "sorted(value) (restored as a list)"),
-    ((bytes, bytearray), "torch.frombuffer(bytearray(value), dtype=torch.uint8) (restored as a tensor; "
-                         "bytes(tensor.numpy()) gives them back)"),
+    ((set, frozenset), "a set of numbers and strings, or sorted(value) (restored as a list)"),
     ((datetime.datetime, datetime.date), "value.isoformat() (datetime.fromisoformat gives it back)"),
     ((torch.dtype, torch.device), "str(value) (restored as a string)"),
     (complex, "[value.real, value.imag]"),
@@ -301,22 +324,25 @@ def tensor_names(node: dict[str, Any]) -> list[str]:
     return names
 
 
-def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, arrays: bool = True) -> Any:
-    """Rebuild a Python value from a skeleton node, asking ``tensor(name)`` for tensors; a
-    tensor saved from a numpy array comes back as an array unless ``arrays`` is False (an
-    export: every file format it writes holds tensors)."""
+def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, kinds: bool = True) -> Any:
+    """Rebuild a Python value from a skeleton node, asking ``tensor(name)`` for tensors.
+    numpy's arrays, bytes and sets come back as such, or, unless ``kinds``, as the tensors
+    and lists they are stored as (an export: every file format it writes holds those)."""
     kind = node["t"]
     if kind == "tensor":
         value = tensor(node["name"])
-        return _as_numpy(value) if arrays and node.get("numpy") is True else value
+        if kinds and node.get("bytes") in ("bytes", "bytearray"):
+            return _as_bytes(value, node["bytes"])
+        return _as_numpy(value) if kinds and node.get("numpy") is True else value
     if kind == "v":
         return node["v"]
     if kind == "dict":
-        return {k: build_value(v, tensor, arrays=arrays) for k, v in node["items"]}
+        return {k: build_value(v, tensor, kinds=kinds) for k, v in node["items"]}
     if kind == "list":
-        return [build_value(v, tensor, arrays=arrays) for v in node["items"]]
+        items = [build_value(v, tensor, kinds=kinds) for v in node["items"]]
+        return _as_set(items, node["set"]) if kinds and node.get("set") in ("set", "frozenset") else items
     if kind == "tuple":
-        return tuple(build_value(v, tensor, arrays=arrays) for v in node["items"])
+        return tuple(build_value(v, tensor, kinds=kinds) for v in node["items"])
     if kind in ("obj", "per_rank"):
-        return build_value(node["sd"], tensor, arrays=arrays)
+        return build_value(node["sd"], tensor, kinds=kinds)
     raise ValueError(f"unknown node type {kind!r} in checkpoint tree")

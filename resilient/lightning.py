@@ -48,8 +48,11 @@ _JSON_SCALARS = (type(None), bool, int, float, str)
 
 def _storable(value: Any, path: str, replaced: list[str]) -> Any:
     """``value`` with every leaf resilient cannot store without pickle replaced by its repr.
-    numpy's numbers are stored as they are (a callback's best score, a sampler's order)."""
-    if isinstance(value, torch.Tensor) or isinstance(value, _JSON_SCALARS):
+    numpy's numbers, bytes and sets of numbers and strings are stored as they are (a
+    callback's best score, a sampler's order)."""
+    if isinstance(value, (torch.Tensor, bytes, bytearray)) or isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, (set, frozenset)) and all(isinstance(v, _JSON_SCALARS) for v in value):
         return value
     if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" or \
             isinstance(value, np.generic) and type(value.item()) in _JSON_SCALARS:
@@ -126,8 +129,9 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         step = catalog.newest_consistent()
         if step is None:
             raise CheckpointCorruptError(f"{path} holds no committed checkpoint")
-        # every chunk read is CRC-checked; numpy's arrays come back as arrays, as torch.load gives them
-        state, _ = catalog.read_state(catalog.manifest(step), step, arrays=True)
+        # every chunk read is CRC-checked; numpy's arrays, bytes and sets come back as such, as
+        # torch.load gives them
+        state, _ = catalog.read_state(catalog.manifest(step), step, kinds=True)
         if isinstance(map_location, (str, torch.device)):
             state = _move(state, torch.device(map_location))
         return state

@@ -41,8 +41,8 @@ def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
             ckpt.save(1, {"w": torch.ones(2), "meta": {"name": np.datetime64("2026-12-06")}})
         # values a config or sampler holds, each with the plain value that keeps it whole
         # (was the same generic remedy for all of them)
-        for value, instead in [(pathlib.Path("/data/shard-3"), r"str\(value\)"), ({3, 1}, r"sorted\(value\)"),
-                               (b"\x00\x01", r"torch.frombuffer\(bytearray\(value\), dtype=torch.uint8\)"),
+        for value, instead in [(pathlib.Path("/data/shard-3"), r"str\(value\)"),
+                               ({(3, 1)}, r"a set of numbers and strings, or sorted\(value\)"),
                                (datetime.date(2026, 12, 6), r"value.isoformat\(\)"),
                                (torch.bfloat16, r"str\(value\)"), (_Split.TRAIN, r"value.name or value.value")]:
             with pytest.raises(UnsupportedStateError, match=rf"state\['cfg/x'\]: .*; store {instead}"):

@@ -43,7 +43,8 @@ def _checkpoint(epoch: int) -> dict:
             "optimizer_states": [torch.optim.SGD(model.parameters(), lr=0.1).state_dict()],
             "hyper_parameters": {"width": 4, "activation": torch.nn.GELU, "dtype": torch.bfloat16},
             "callbacks": {"EarlyStopping": {"best_score": np.float32(0.25), "wait_count": np.int64(epoch),
-                                            "history": np.arange(3.0) * epoch}}}
+                                            "history": np.arange(3.0) * epoch},
+                          "Tokens": {"seen": {epoch, 10}, "blob": b"\x00ab"}}}
 
 
 def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
@@ -67,6 +68,7 @@ def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
     early = loaded["callbacks"]["EarlyStopping"]
     assert early["best_score"] == 0.25 and early["wait_count"] == 2
     assert type(early["history"]) is np.ndarray and np.array_equal(early["history"], np.arange(3.0) * 2)
+    assert loaded["callbacks"]["Tokens"] == {"seen": {2, 10}, "blob": b"\x00ab"}
     assert "callbacks" not in caplog.text
     steps = [n for n in os.listdir(path) if n.startswith("step-")]
     assert len(steps) == 1  # the older save at this path was retired after the new commit
