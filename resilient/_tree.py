@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import enum
 import os
+import pathlib
 import re
+import uuid
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -28,7 +30,7 @@ from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
 from ._wrappers import state_holder
 
-__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful",
+__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful", "is_plain_leaf",
            "per_rank_path", "tensor_names", "without_plain_bytes"]
 
 _SCALARS = (type(None), bool, int, float, str)
@@ -185,7 +187,7 @@ class Flattened:
             }
         if isinstance(obj, _SCALARS):
             return {"t": "v", "v": obj}
-        if isinstance(obj, np.generic) and type(obj.item()) in (bool, int, float):
+        if _number_scalar(obj):
             return {"t": "v", "v": obj.item()}  # back as numpy's kind where the program holds one
         if isinstance(obj, np.ndarray):
             if not self.saving:  # filled where it fits, replaced where not (_restore._into)
@@ -196,10 +198,13 @@ class Flattened:
                 return {"t": "v", "v": None}
             data = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.empty(0, dtype=torch.uint8)
             return {**self.encode(data, path, expand_stateful=False), "bytes": type(obj).__name__}
-        if isinstance(obj, (set, frozenset)) and all(isinstance(v, _SCALARS) for v in obj):
+        if _scalar_set(obj):
             # in an order alike on every rank (ranks' trees are compared); a set's order is not
             items = sorted(obj, key=lambda v: (type(v).__name__, v))
             return {"t": "list", "items": [{"t": "v", "v": v} for v in items], "set": type(obj).__name__}
+        text = _text_kind(obj)
+        if text is not None:
+            return {"t": "v", "v": text[2](obj), "kind": text[0]}
         raise UnsupportedStateError(
             f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
             f"cannot be checkpointed without pickle; {_remedy(obj)}"
@@ -218,7 +223,7 @@ def _array_tensor(array: np.ndarray, path: str) -> torch.Tensor:
     restored as an array where the program holds one: numpy's arrays are what torch.save
     users keep in a sampler's or a metric's state. Kinds with no tensor dtype (strings,
     objects, dates) are refused by path."""
-    if array.dtype.kind not in "biufc" or array.dtype.byteorder == ">":
+    if not _numeric_array(array):
         raise UnsupportedStateError(
             f"state[{path!r}]: a numpy array of dtype {array.dtype} cannot be checkpointed without pickle; "
             "store numbers (array.astype(...)), or strings in a list (array.tolist())")
@@ -282,10 +287,65 @@ _INSTEAD: list[tuple[type | tuple[type, ...], str]] = [
     (enum.Enum, "value.name or value.value (and look the member up again at restore)"),
     (os.PathLike, "str(value) (restored as a string)"),
     ((set, frozenset), "a set of numbers and strings, or sorted(value) (restored as a list)"),
-    ((datetime.datetime, datetime.date), "value.isoformat() (datetime.fromisoformat gives it back)"),
-    ((torch.dtype, torch.device), "str(value) (restored as a string)"),
-    (complex, "[value.real, value.imag]"),
 ]
+
+
+def _torch_dtype(text: str) -> torch.dtype:
+    value = getattr(torch, text, None)  # an attribute looked up, never called
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"not a torch dtype: {text!r}")
+    return value
+
+
+#: values a config holds that are saved as text and made again from it by a parser, never
+#: by code of the checkpoint's: (kind, type, to text, from text). A datetime before a date
+#: (it is one).
+_TEXT_KINDS: tuple[tuple[str, type, Callable[[Any], str], Callable[[str], Any]], ...] = (
+    ("path", pathlib.PurePath, str, pathlib.Path),
+    ("datetime", datetime.datetime, datetime.datetime.isoformat, datetime.datetime.fromisoformat),
+    ("date", datetime.date, datetime.date.isoformat, datetime.date.fromisoformat),
+    ("timedelta", datetime.timedelta, lambda d: repr(d.total_seconds()),
+     lambda t: datetime.timedelta(seconds=float(t))),
+    ("dtype", torch.dtype, lambda d: str(d).removeprefix("torch."), _torch_dtype),
+    ("device", torch.device, str, torch.device),
+    ("complex", complex, repr, complex),
+    ("uuid", uuid.UUID, str, uuid.UUID),
+)
+_FROM_TEXT = {kind: parse for kind, _, _, parse in _TEXT_KINDS}
+
+
+def _text_kind(value: Any) -> tuple[str, type, Callable[[Any], str], Callable[[str], Any]] | None:
+    return next((kind for kind in _TEXT_KINDS if isinstance(value, kind[1])), None)
+
+
+def _from_text(text: Any, kind: str) -> Any:
+    """A value saved as text, made again (a manifest's text that does not parse: the text)."""
+    try:
+        return _FROM_TEXT[kind](text) if isinstance(text, str) else text
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return text
+
+
+def _number_scalar(value: Any) -> bool:
+    return isinstance(value, np.generic) and type(value.item()) in (bool, int, float)
+
+
+def _scalar_set(value: Any) -> bool:
+    return isinstance(value, (set, frozenset)) and all(isinstance(v, _SCALARS) for v in value)
+
+
+def is_plain_leaf(value: Any) -> bool:
+    """Whether a checkpoint holds ``value`` without pickle as a leaf: a tensor, a JSON scalar,
+    numpy's numbers, bytes, a set of scalars, or a value kept as text (a path, a date, a
+    torch dtype or device, a complex number, a UUID). What the Lightning plugin keeps as is."""
+    if isinstance(value, (torch.Tensor, bytes, bytearray, *_SCALARS)) or _number_scalar(value) or _scalar_set(value):
+        return True
+    return _numeric_array(value) or _text_kind(value) is not None
+
+
+def _numeric_array(value: Any) -> bool:
+    """A numpy array of numbers in this machine's byte order: what a tensor can hold."""
+    return isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.dtype.byteorder != ">"
 
 
 def flatten_state(state: Mapping[str, Any], rank: int = 0) -> Flattened:
@@ -335,7 +395,7 @@ def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, 
             return _as_bytes(value, node["bytes"])
         return _as_numpy(value) if kinds and node.get("numpy") is True else value
     if kind == "v":
-        return node["v"]
+        return _from_text(node["v"], node["kind"]) if kinds and node.get("kind") in _FROM_TEXT else node["v"]
     if kind == "dict":
         return {k: build_value(v, tensor, kinds=kinds) for k, v in node["items"]}
     if kind == "list":

@@ -30,7 +30,6 @@ import os
 import shutil
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 
 from ._catalog import Catalog
@@ -38,24 +37,17 @@ from ._checkpointer import Checkpointer
 from ._coord import SoloCoordinator
 from ._errors import CheckpointCorruptError
 from ._storage import LocalStorage
+from ._tree import is_plain_leaf
 
 __all__ = ["ResilientCheckpointIO"]
 
 log = logging.getLogger("resilient")
 
-_JSON_SCALARS = (type(None), bool, int, float, str)
-
 
 def _storable(value: Any, path: str, replaced: list[str]) -> Any:
-    """``value`` with every leaf resilient cannot store without pickle replaced by its repr.
-    numpy's numbers, bytes and sets of numbers and strings are stored as they are (a
-    callback's best score, a sampler's order)."""
-    if isinstance(value, (torch.Tensor, bytes, bytearray)) or isinstance(value, _JSON_SCALARS):
-        return value
-    if isinstance(value, (set, frozenset)) and all(isinstance(v, _JSON_SCALARS) for v in value):
-        return value
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc" or \
-            isinstance(value, np.generic) and type(value.item()) in _JSON_SCALARS:
+    """``value`` with every leaf resilient cannot store without pickle replaced by its repr
+    (numpy's numbers, bytes, paths, torch dtypes and the like it stores: ``is_plain_leaf``)."""
+    if is_plain_leaf(value):
         return value
     if isinstance(value, Mapping):
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):

@@ -1,9 +1,7 @@
 """Bad input gets one clear error and changes nothing."""
 
-import datetime
 import enum
 import os
-import pathlib
 
 import numpy as np
 import pytest
@@ -24,6 +22,16 @@ def test_unwritable_root_is_named(tmp_path):
     assert str(blocker / "ckpt") in str(err.value)
 
 
+class _Place(os.PathLike):
+    """A path-like object of a program's own (not a pathlib path, which is saved)."""
+
+    def __init__(self, where):
+        self.where = where
+
+    def __fspath__(self):
+        return self.where
+
+
 def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
     with Checkpointer(root) as ckpt:
         with pytest.raises(UnsupportedStateError, match=r"extra/hook.*function"):
@@ -41,10 +49,10 @@ def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
             ckpt.save(1, {"w": torch.ones(2), "meta": {"name": np.datetime64("2026-12-06")}})
         # values a config or sampler holds, each with the plain value that keeps it whole
         # (was the same generic remedy for all of them)
-        for value, instead in [(pathlib.Path("/data/shard-3"), r"str\(value\)"),
+        # (was the same generic remedy for all of them; paths, dates and dtypes are saved now)
+        for value, instead in [(_Place("/data/shard-3"), r"str\(value\)"),
                                ({(3, 1)}, r"a set of numbers and strings, or sorted\(value\)"),
-                               (datetime.date(2026, 12, 6), r"value.isoformat\(\)"),
-                               (torch.bfloat16, r"str\(value\)"), (_Split.TRAIN, r"value.name or value.value")]:
+                               (_Split.TRAIN, r"value.name or value.value")]:
             with pytest.raises(UnsupportedStateError, match=rf"state\['cfg/x'\]: .*; store {instead}"):
                 ckpt.save(1, {"w": torch.ones(2), "cfg": {"x": value}})
         # an int key and its text: both keys as given, and the name they share (was "'1' and '1'")

@@ -62,7 +62,7 @@ def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
     assert loaded["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
     # objects JSON cannot hold are kept as text, with a warning naming them; nothing pickled
     assert loaded["hyper_parameters"]["width"] == 4
-    assert loaded["hyper_parameters"]["dtype"] == "torch.bfloat16"
+    assert loaded["hyper_parameters"]["dtype"] is torch.bfloat16  # a dtype is saved (as text); was its repr
     assert "hyper_parameters/activation" in caplog.text
     # numpy's numbers are stored, not as text: arrays come back as arrays, scalars as numbers
     early = loaded["callbacks"]["EarlyStopping"]

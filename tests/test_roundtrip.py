@@ -497,6 +497,34 @@ def test_sets_and_bytes_come_back_as_sets_and_bytes(root):
     assert [item["v"] for item in node["items"]] == [1, 2, "a", "b"] and node["set"] == "set"
 
 
+def test_a_configs_paths_dates_dtypes_and_devices_come_back_as_they_were(root):
+    """Values a config holds (an output directory, a start time, a dtype, a device) are saved
+    as text and made again by their parser, never by the checkpoint's code; an export keeps
+    the text. Before, each was refused at save."""
+    import datetime
+    import pathlib
+    import uuid
+
+    config = {"out": pathlib.Path("/data/run-7"), "started": datetime.datetime(2026, 12, 6, 21, 30, 5, 123),
+              "day": datetime.date(2026, 12, 6), "budget": datetime.timedelta(hours=1, seconds=0.5),
+              "dtype": torch.bfloat16, "device": torch.device("cpu"), "z": complex(1.5, -2.0),
+              "id": uuid.UUID("12345678-1234-5678-1234-567812345678")}
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(1, {"config": config, "w": torch.ones(2)}).result()
+    state = {"config": {}, "w": torch.zeros(2)}
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert state["config"] == config and all(type(state["config"][k]) is type(v) or k == "out"
+                                              for k, v in config.items())
+    assert isinstance(state["config"]["out"], pathlib.PurePath)
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+
+    catalog = Catalog(open_storage(root))
+    tree, _ = catalog.read_state(catalog.manifest(1), 1)
+    assert tree["config"]["dtype"] == "bfloat16" and tree["config"]["out"] == "/data/run-7"
+
+
 Progress = collections.namedtuple("Progress", "epoch step")
 
 
