@@ -36,6 +36,7 @@ collective that will not come, and every rank falls back together.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import logging
 import os
@@ -459,9 +460,23 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
         else:
             live[:] = saved
         return live
+    if isinstance(live, enum.Enum):
+        return _member(live, saved)
     if isinstance(live, np.generic) and type(saved) in (bool, int, float):
         return type(live)(saved)  # np.int64, np.float32, np.bool_: the kind the program held
     return saved
+
+
+def _member(live: enum.Enum, saved: Any) -> Any:
+    """The member of the program's enum that was saved (by name; an int or str enum by its
+    value), else what was saved: the class is the program's, never the checkpoint's."""
+    members = type(live).__members__
+    if isinstance(saved, str) and saved in members:
+        return members[saved]
+    try:
+        return type(live)(saved)
+    except (ValueError, TypeError):
+        return saved
 
 
 def _as_array(live: np.ndarray, saved: np.ndarray) -> np.ndarray:

@@ -205,6 +205,8 @@ class Flattened:
         text = _text_kind(obj)
         if text is not None:
             return {"t": "v", "v": text[2](obj), "kind": text[0]}
+        if isinstance(obj, enum.Enum):  # by name: back as the member where the program holds one
+            return {"t": "v", "v": obj.name, "kind": "enum"}
         raise UnsupportedStateError(
             f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
             f"cannot be checkpointed without pickle; {_remedy(obj)}"
@@ -284,7 +286,6 @@ def _remedy(obj: Any) -> str:
 #: the plain value that keeps each of these whole, for the error that refuses them: values
 #: a config or a sampler holds, which torch.save pickled
 _INSTEAD: list[tuple[type | tuple[type, ...], str]] = [
-    (enum.Enum, "value.name or value.value (and look the member up again at restore)"),
     (os.PathLike, "str(value) (restored as a string)"),
     ((set, frozenset), "a set of numbers and strings, or sorted(value) (restored as a list)"),
 ]
@@ -337,10 +338,11 @@ def _scalar_set(value: Any) -> bool:
 def is_plain_leaf(value: Any) -> bool:
     """Whether a checkpoint holds ``value`` without pickle as a leaf: a tensor, a JSON scalar,
     numpy's numbers, bytes, a set of scalars, or a value kept as text (a path, a date, a
-    torch dtype or device, a complex number, a UUID). What the Lightning plugin keeps as is."""
+    torch dtype or device, a complex number, a UUID, an enum's member by name). What the
+    Lightning plugin keeps as is."""
     if isinstance(value, (torch.Tensor, bytes, bytearray, *_SCALARS)) or _number_scalar(value) or _scalar_set(value):
         return True
-    return _numeric_array(value) or _text_kind(value) is not None
+    return _numeric_array(value) or _text_kind(value) is not None or isinstance(value, enum.Enum)
 
 
 def _numeric_array(value: Any) -> bool:

@@ -1,6 +1,7 @@
 """Single-process behaviour of the engine: every state kind, bitwise, and its edges."""
 
 import collections
+import enum
 import math
 import os
 import random
@@ -497,6 +498,11 @@ def test_sets_and_bytes_come_back_as_sets_and_bytes(root):
     assert [item["v"] for item in node["items"]] == [1, 2, "a", "b"] and node["set"] == "set"
 
 
+class _Split(enum.Enum):
+    TRAIN = "train"
+    TEST = "test"
+
+
 def test_a_configs_paths_dates_dtypes_and_devices_come_back_as_they_were(root):
     """Values a config holds (an output directory, a start time, a dtype, a device) are saved
     as text and made again by their parser, never by the checkpoint's code; an export keeps
@@ -510,10 +516,11 @@ def test_a_configs_paths_dates_dtypes_and_devices_come_back_as_they_were(root):
               "dtype": torch.bfloat16, "device": torch.device("cpu"), "z": complex(1.5, -2.0),
               "id": uuid.UUID("12345678-1234-5678-1234-567812345678")}
     with Checkpointer(root, rng=False) as ckpt:
-        ckpt.save(1, {"config": config, "w": torch.ones(2)}).result()
-    state = {"config": {}, "w": torch.zeros(2)}
+        ckpt.save(1, {"config": config, "split": _Split.TRAIN, "w": torch.ones(2)}).result()
+    state = {"config": {}, "split": _Split.TEST, "w": torch.zeros(2)}
     with Checkpointer(root, rng=False) as ckpt:
         assert ckpt.restore(state) == 1
+    assert state["split"] is _Split.TRAIN  # by name, into the program's own enum
     assert state["config"] == config and all(type(state["config"][k]) is type(v) or k == "out"
                                               for k, v in config.items())
     assert isinstance(state["config"]["out"], pathlib.PurePath)
@@ -523,6 +530,7 @@ def test_a_configs_paths_dates_dtypes_and_devices_come_back_as_they_were(root):
     catalog = Catalog(open_storage(root))
     tree, _ = catalog.read_state(catalog.manifest(1), 1)
     assert tree["config"]["dtype"] == "bfloat16" and tree["config"]["out"] == "/data/run-7"
+    assert tree["split"] == "TRAIN"  # no target, no class: the member's name
 
 
 Progress = collections.namedtuple("Progress", "epoch step")
