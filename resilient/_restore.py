@@ -36,6 +36,7 @@ collective that will not come, and every rank falls back together.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import enum
 import functools
 import logging
@@ -462,9 +463,26 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
         return live
     if isinstance(live, enum.Enum):
         return _member(live, saved)
+    if dataclasses.is_dataclass(live) and not isinstance(live, type) and type(saved) is dict:
+        return _into_dataclass(live, saved, filled, strict)
     if isinstance(live, np.generic) and type(saved) in (bool, int, float):
         return type(live)(saved)  # np.int64, np.float32, np.bool_: the kind the program held
     return saved
+
+
+def _into_dataclass(live: Any, saved: dict[str, Any], filled: set[int], strict: bool) -> Any:
+    """A dataclass's saved fields, into the program's instance (a frozen one: a copy made by
+    ``dataclasses.replace``): a config read back as its own class, not a dict. Saved fields
+    the class no longer has are left out; fields the checkpoint lacks keep their values."""
+    fields = dataclasses.fields(live)
+    names, init = {f.name for f in fields}, {f.name for f in fields if f.init}
+    values = {name: _into(getattr(live, name), value, filled, strict) for name, value in saved.items() if name in names}
+    if type(live).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        return dataclasses.replace(live, **{name: value for name, value in values.items() if name in init})
+    filled.add(id(live))
+    for name, value in values.items():
+        setattr(live, name, value)
+    return live
 
 
 def _member(live: enum.Enum, saved: Any) -> Any:

@@ -8,6 +8,7 @@ because writing it would need pickle, and a checkpoint must never run code when 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
 import os
@@ -156,6 +157,9 @@ class Flattened:
         holder = (obj if is_stateful(obj) else stateful_generator(obj)) if expand_stateful else None
         if holder is not None:
             return {"t": "obj", "sd": self.encode(holder.state_dict(), path, expand_stateful=False)}
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            # a config's dataclass: its fields as a dict, back into the program's instance
+            obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
         if isinstance(obj, Mapping):
             items = []
             seen: dict[str, Any] = {}  # each key's name in the checkpoint -> the key

@@ -23,6 +23,7 @@ in ``hyper_parameters``) are stored as their ``repr`` with a warning naming the 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -49,6 +50,8 @@ def _storable(value: Any, path: str, replaced: list[str]) -> Any:
     (numpy's numbers, bytes, paths, torch dtypes and the like it stores: ``is_plain_leaf``)."""
     if is_plain_leaf(value):
         return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config: its fields, read as a dict
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
             return {k: _storable(v, f"{path}/{k}", replaced) for k, v in value.items()}

@@ -1,5 +1,6 @@
 """The PyTorch Lightning plugin, run as a Lightning user runs it (examples/lightning_train.py)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -36,12 +37,19 @@ def test_interrupted_lightning_run_resumes_bitwise_equal(tmp_path):
     assert sorted(os.listdir(tmp_path / "ck")) == ["epoch=2-step=24.ckpt", "epoch=3-step=32.ckpt", "last.ckpt"]
 
 
+@dataclasses.dataclass
+class _OptimConfig:
+    lr: float
+    momentum: float
+
+
 def _checkpoint(epoch: int) -> dict:
     torch.manual_seed(epoch)
     model = torch.nn.Linear(4, 2)
     return {"epoch": epoch, "global_step": 10 * epoch, "state_dict": model.state_dict(),
             "optimizer_states": [torch.optim.SGD(model.parameters(), lr=0.1).state_dict()],
-            "hyper_parameters": {"width": 4, "activation": torch.nn.GELU, "dtype": torch.bfloat16},
+            "hyper_parameters": {"width": 4, "activation": torch.nn.GELU, "dtype": torch.bfloat16,
+                                 "optim": _OptimConfig(0.5, 0.9)},
             "callbacks": {"EarlyStopping": {"best_score": np.float32(0.25), "wait_count": np.int64(epoch),
                                             "history": np.arange(3.0) * epoch},
                           "Tokens": {"seen": {epoch, 10}, "blob": b"\x00ab"}}}
@@ -62,6 +70,7 @@ def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
     assert loaded["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
     # objects JSON cannot hold are kept as text, with a warning naming them; nothing pickled
     assert loaded["hyper_parameters"]["width"] == 4
+    assert loaded["hyper_parameters"]["optim"] == {"lr": 0.5, "momentum": 0.9}  # a dataclass's fields; was its repr
     assert loaded["hyper_parameters"]["dtype"] is torch.bfloat16  # a dtype is saved (as text); was its repr
     assert "hyper_parameters/activation" in caplog.text
     # numpy's numbers are stored, not as text: arrays come back as arrays, scalars as numbers

@@ -1,6 +1,7 @@
 """Single-process behaviour of the engine: every state kind, bitwise, and its edges."""
 
 import collections
+import dataclasses
 import enum
 import math
 import os
@@ -531,6 +532,42 @@ def test_a_configs_paths_dates_dtypes_and_devices_come_back_as_they_were(root):
     tree, _ = catalog.read_state(catalog.manifest(1), 1)
     assert tree["config"]["dtype"] == "bfloat16" and tree["config"]["out"] == "/data/run-7"
     assert tree["split"] == "TRAIN"  # no target, no class: the member's name
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float = 0.1
+    out: str = "/tmp"
+    schedule: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    seed: int = 0
+    mask: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(2))
+
+
+def test_dataclasses_come_back_into_the_programs_instances(root):
+    """A config kept as a dataclass is saved as its fields (no pickle, no class named) and
+    restored into the program's instance, a frozen one replaced by a copy with the saved
+    fields (its tensors filled in place); without a target it reads as a dict. Before, a
+    dataclass was refused at save."""
+    with Checkpointer(root, rng=False) as ckpt:
+        ckpt.save(1, {"config": _Config(0.5, "/data", {"warmup": 10}), "frozen": _Frozen(7, torch.ones(2))}).result()
+    config, frozen = _Config(), _Frozen()
+    mask = frozen.mask
+    state = {"config": config, "frozen": frozen}
+    with Checkpointer(root, rng=False) as ckpt:
+        assert ckpt.restore(state) == 1
+    assert state["config"] is config and config == _Config(0.5, "/data", {"warmup": 10})
+    assert type(state["frozen"]) is _Frozen and state["frozen"].seed == 7
+    assert state["frozen"].mask is mask and torch.equal(mask, torch.ones(2))
+    from resilient._catalog import Catalog
+    from resilient._storage import open_storage
+
+    catalog = Catalog(open_storage(root))
+    tree, _ = catalog.read_state(catalog.manifest(1), 1)
+    assert tree["config"] == {"lr": 0.5, "out": "/data", "schedule": {"warmup": 10}}
 
 
 Progress = collections.namedtuple("Progress", "epoch step")
