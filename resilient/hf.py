@@ -1,0 +1,209 @@
+"""Hugging Face ``Trainer`` integration: ``ResilientTrainer`` in place of ``Trainer``.
+
+    from resilient.hf import ResilientTrainer
+    trainer = ResilientTrainer(model=model, args=args, train_dataset=data)   # was: Trainer(...)
+    trainer.train(resume_from_checkpoint="auto")   # newest checkpoint if any, else from the start
+
+``Trainer`` decides when to save (``save_steps``, ``save_strategy``); this class decides how.
+Its checkpoints are resilient's, under ``<output_dir>/resilient`` (``resilient_root=``):
+
+* a save returns once the model, optimizer, scheduler and generators are snapshotted into
+  host memory; the files are written, checksummed and committed in the background (the
+  Trainer's own save writes ``model.safetensors``, ``optimizer.pt`` and the rest inline);
+* replicated (DDP) state is written once, spread over the ranks, not once per process;
+* a step exists only once every rank's files are durable; ``resume_from_checkpoint`` takes
+  the newest such step (the Trainer's own ``checkpoint-N`` directory can be half written);
+* loading never unpickles anything from the checkpoint;
+* ``resilient_remote=`` drains every checkpoint to an object store as well.
+
+Resuming goes through the Trainer's own path, so what it restores is restored as it does:
+the step, epoch and data position (it skips the batches already trained), the callbacks'
+state, the generators at the point the Trainer sets them. For that path, the step resumed
+from gets a small ``<output_dir>/checkpoint-N`` directory holding the Trainer's state file
+(``trainer_state.json``, kept in the checkpoint and written back at resume) and a marker
+(``resilient.json``); everything else comes from the checkpoint.
+
+Switching a run from ``Trainer`` to ``ResilientTrainer`` midway: ``"auto"`` resumes from the
+plain Trainer's newest ``checkpoint-N`` when resilient has none yet.
+
+Not covered: DeepSpeed and the Trainer's FSDP (their engines save their own state),
+``load_best_model_at_end`` (both refused when the Trainer is made, with the reason), and
+``push_to_hub`` of checkpoints (the final model is pushed as usual).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import get_last_checkpoint
+
+from ._checkpointer import Checkpointer
+
+__all__ = ["ResilientTrainer", "ResilientTrainerMixin"]
+
+MARKER = "resilient.json"
+TRAINER_STATE = "trainer_state.json"
+
+
+class ResilientTrainerMixin:
+    """The checkpointing of ``ResilientTrainer``, for a class derived from ``Trainer`` of
+    one's own (``class MyTrainer(ResilientTrainerMixin, SFTTrainer)``)."""
+
+    def __init__(self, *args: Any, resilient_root: str | None = None, resilient_remote: str | None = None,
+                 resilient_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.load_best_model_at_end:
+            raise ValueError("ResilientTrainer: load_best_model_at_end is not supported (the best step's model "
+                             "is in resilient's checkpoint, not in a checkpoint-N directory the Trainer reads); "
+                             "export that step with resilient-ckpt export instead")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("ResilientTrainer: DeepSpeed and the Trainer's FSDP save their engines' own state; "
+                             "use the plain Trainer with them, or FSDP2 in a loop of your own with Checkpointer")
+        self.resilient_root = resilient_root or os.path.join(self.args.output_dir, "resilient")
+        self._resilient_remote = resilient_remote
+        self._resilient_options = dict(resilient_options or {})
+        self._resilient: Checkpointer | None = None
+
+    # -- the checkpointer -----------------------------------------------------------------------
+    def checkpointer(self) -> Checkpointer:
+        """The run's ``Checkpointer`` (made at first use: the process group is up by then).
+        It keeps ``save_total_limit`` steps, or every step when that is unset."""
+        if self._resilient is None:
+            options = {"keep": self.args.save_total_limit, **self._resilient_options}
+            self._resilient = Checkpointer(self.resilient_root, remote=self._resilient_remote, **options)
+        return self._resilient
+
+    def _entries(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the Trainer's state: the model (a DDP wrapper's
+        module's keys), the optimizer and scheduler, and the gradient scaler under fp16."""
+        entries: dict[str, Any] = {"model": self.model}
+        if self.optimizer is not None:
+            entries["optimizer"] = self.optimizer
+        if self.lr_scheduler is not None:
+            entries["lr_scheduler"] = self.lr_scheduler
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            entries["scaler"] = scaler
+        return entries
+
+    # -- saving ---------------------------------------------------------------------------------
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Every rank snapshots its state; the writes and the commit go on in the background.
+        The Trainer's state goes in as its JSON, with the callbacks' states as the Trainer
+        itself records them."""
+        for callback in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(callback, ExportableState):
+                name, value = type(callback).__name__, callback.state()
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(value)
+                else:
+                    self.state.stateful_callbacks[name] = value
+        trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        self.checkpointer().save(self.state.global_step, {**self._entries(), "trainer_state": trainer_state},
+                                 force=True)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``resume_from_checkpoint``: ``"auto"`` (the newest committed step; when there is
+        none, the plain Trainer's newest ``checkpoint-N`` in ``output_dir``, or the start),
+        True (the newest committed step; an error when there is none), a ``checkpoint-N``
+        directory, or None (from the start)."""
+        try:
+            return super().train(self._resume_dir(resume_from_checkpoint), *args, **kwargs)  # type: ignore[misc]
+        finally:
+            if self._resilient is not None:  # every save of the run committed (or its error raised)
+                ckpt, self._resilient = self._resilient, None
+                ckpt.close()
+
+    def _resume_dir(self, asked: str | bool | None) -> str | None:
+        """The ``checkpoint-N`` directory the Trainer resumes from, written for the step chosen:
+        the step is agreed by every rank (``restore``), and each writes the directory's two
+        small files itself (atomically), so none reads another's half-written one."""
+        if asked is None or asked is False:
+            return None
+        step = None
+        if isinstance(asked, str) and asked != "auto":
+            step = _marked_step(asked)
+            if step is None:
+                return asked  # the Trainer's own checkpoint directory: its own loading
+        holder: dict[str, Any] = {"trainer_state": None}
+        with _without_generators(self.checkpointer()):
+            found = self.checkpointer().restore(holder, step=step, strict=False)
+        if not found:
+            if asked == "auto":  # a run the plain Trainer checkpointed: resumed from its own newest
+                theirs = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+                return theirs if _marked_step(theirs) is None else None
+            raise ValueError(f"ResilientTrainer: no committed checkpoint in {self.resilient_root} to resume from")
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{found}")
+        os.makedirs(folder, exist_ok=True)
+        _write_atomically(os.path.join(folder, TRAINER_STATE), holder["trainer_state"])
+        _write_atomically(os.path.join(folder, MARKER), json.dumps({"root": self.resilient_root, "step": found}))
+        return folder
+
+    # -- the Trainer's loading, for a marked directory ------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if _marked_step(resume_from_checkpoint) is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        # else: with the optimizer and scheduler, once they exist (_load_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        step = _marked_step(checkpoint)
+        if step is None:
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        with _without_generators(self.checkpointer()):
+            self.checkpointer().restore(self._entries(), step=step, strict=False)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if _marked_step(checkpoint) is None:
+            super()._load_scaler(checkpoint)  # type: ignore[misc]
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """The generators, at the point the Trainer sets them (after skipping the batches
+        already trained), every rank its own."""
+        step = _marked_step(checkpoint)
+        if step is None:
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+        elif self.checkpointer().rng:
+            self.checkpointer().restore({}, step=step, strict=False)
+
+
+class ResilientTrainer(ResilientTrainerMixin, Trainer):
+    """``transformers.Trainer`` whose checkpoints are resilient's (see the module's text)."""
+
+
+def _marked_step(folder: Any) -> int | None:
+    """The step a ``checkpoint-N`` directory written by ``_resume_dir`` stands for, or None."""
+    if not isinstance(folder, str):
+        return None
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            step = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class _without_generators:
+    """Restore the model or the Trainer's state without setting the generators: the Trainer
+    sets them later, after skipping the batches already trained (``_load_rng_state``)."""
+
+    def __init__(self, ckpt: Checkpointer) -> None:
+        self.ckpt, self.rng = ckpt, ckpt.rng
+
+    def __enter__(self) -> None:
+        self.ckpt.rng = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ckpt.rng = self.rng
