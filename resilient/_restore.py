@@ -36,8 +36,6 @@ collective that will not come, and every rank falls back together.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -48,7 +46,6 @@ from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, MutableMapping
 
-import numpy as np
 import torch
 from torch.nn.parameter import is_lazy
 
@@ -58,6 +55,7 @@ from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, ResilientError, StateError
 from ._format import dtype_from_name, dtype_name
 from ._generators import stateful_generator
+from ._kinds import NOT_A_KIND, into_own_kind
 from ._gc_pause import gc_paused
 from ._layout import Box, contiguous_range, intersect
 from ._snapshot import bitwise, dtensor_box, is_dtensor, local_tensor, storage_shortfall
@@ -449,78 +447,8 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
         live[:] = [_into(live[i] if i < len(live) else None, value, filled, strict)
                    for i, value in enumerate(saved)]
         return live
-    if isinstance(live, tuple) and type(saved) is tuple:
-        return _as_tuple_like(live, saved, filled, strict)
-    if isinstance(live, np.ndarray) and isinstance(saved, np.ndarray):
-        return _as_array(live, saved)
-    if isinstance(live, (set, bytearray)) and type(saved) is type(live):
-        filled.add(id(live))  # mutable: the program's own object takes the saved items
-        if isinstance(live, set):
-            live.clear()
-            live.update(saved)
-        else:
-            live[:] = saved
-        return live
-    if isinstance(live, enum.Enum):
-        return _member(live, saved)
-    if dataclasses.is_dataclass(live) and not isinstance(live, type) and type(saved) is dict:
-        return _into_dataclass(live, saved, filled, strict)
-    if isinstance(live, np.generic) and type(saved) in (bool, int, float):
-        return type(live)(saved)  # np.int64, np.float32, np.bool_: the kind the program held
-    return saved
-
-
-def _into_dataclass(live: Any, saved: dict[str, Any], filled: set[int], strict: bool) -> Any:
-    """A dataclass's saved fields, into the program's instance (a frozen one: a copy made by
-    ``dataclasses.replace``): a config read back as its own class, not a dict. Saved fields
-    the class no longer has are left out; fields the checkpoint lacks keep their values."""
-    fields = dataclasses.fields(live)
-    names, init = {f.name for f in fields}, {f.name for f in fields if f.init}
-    values = {name: _into(getattr(live, name), value, filled, strict) for name, value in saved.items() if name in names}
-    if type(live).__dataclass_params__.frozen:  # type: ignore[attr-defined]
-        return dataclasses.replace(live, **{name: value for name, value in values.items() if name in init})
-    filled.add(id(live))
-    for name, value in values.items():
-        setattr(live, name, value)
-    return live
-
-
-def _member(live: enum.Enum, saved: Any) -> Any:
-    """The member of the program's enum that was saved (by name; an int or str enum by its
-    value), else what was saved: the class is the program's, never the checkpoint's."""
-    members = type(live).__members__
-    if isinstance(saved, str) and saved in members:
-        return members[saved]
-    try:
-        return type(live)(saved)
-    except (ValueError, TypeError):
-        return saved
-
-
-def _as_array(live: np.ndarray, saved: np.ndarray) -> np.ndarray:
-    """A saved numpy array, into the program's array when it fits (same shape and dtype,
-    writable: a reference to it sees the restored values), else the saved one."""
-    if live.flags.writeable and live.shape == saved.shape and live.dtype == saved.dtype:
-        live[...] = saved
-        return live
-    return saved
-
-
-def _as_tuple_like(live: tuple, saved: tuple, filled: set[int], strict: bool) -> tuple:
-    """``saved`` as a tuple of ``live``'s kind, its items put into ``live``'s (a tuple of
-    models loads them): a namedtuple stays one (the program reads its fields by name), a
-    ``torch.Size`` stays one; any other kind is a plain tuple, as saved. Why: the checkpoint
-    holds a tuple's items only (no pickle, so no class), and a restore handed back a plain
-    tuple for ``Progress(epoch=3, step=7)``, breaking ``progress.epoch``, and a tuple of
-    state dicts in place of a tuple of modules."""
-    if isinstance(live, torch.Size):
-        return torch.Size(saved) if all(type(i) is int for i in saved) else saved
-    if len(live) != len(saved):
-        return saved
-    items = [_into(mine, value, filled, strict) for mine, value in zip(live, saved)]
-    if hasattr(type(live), "_fields") and hasattr(type(live), "_make"):
-        return type(live)._make(items)  # type: ignore[attr-defined]
-    return tuple(items)
+    value = into_own_kind(live, saved, lambda mine, theirs: _into(mine, theirs, filled, strict))
+    return saved if value is NOT_A_KIND else value  # a tuple, an array, a set, an enum, a dataclass (_kinds)
 
 
 def _saved_keys(node: dict[str, Any]) -> list[Any]:

@@ -9,13 +9,9 @@ because writing it would need pickle, and a checkpoint must never run code when 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import enum
 import os
-import pathlib
 import re
-import uuid
-import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 from urllib.parse import quote
@@ -27,14 +23,15 @@ from torch.nn.parameter import is_lazy
 from ._errors import UnsupportedStateError
 from ._format import DTYPE_ITEMSIZE
 from ._generators import stateful_generator
+from ._kinds import (FROM_TEXT, SCALARS, array_tensor, as_bytes, as_numpy, as_set, from_text, number_scalar,
+                     scalar_set, text_kind)
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
 from ._wrappers import state_holder
 
-__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful", "is_plain_leaf",
+__all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful",
            "per_rank_path", "tensor_names", "without_plain_bytes"]
 
-_SCALARS = (type(None), bool, int, float, str)
 #: torch's dtypes that the format can name (a set lookup per tensor on the save's path)
 _SAVABLE_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name))
 
@@ -189,24 +186,24 @@ class Flattened:
                     for i, v in enumerate(obj)
                 ],
             }
-        if isinstance(obj, _SCALARS):
+        if isinstance(obj, SCALARS):
             return {"t": "v", "v": obj}
-        if _number_scalar(obj):
+        if number_scalar(obj):
             return {"t": "v", "v": obj.item()}  # back as numpy's kind where the program holds one
         if isinstance(obj, np.ndarray):
             if not self.saving:  # filled where it fits, replaced where not (_restore._into)
                 return {"t": "v", "v": None}
-            return {**self.encode(_array_tensor(obj, path), path, expand_stateful=False), "numpy": True}
+            return {**self.encode(array_tensor(obj, path), path, expand_stateful=False), "numpy": True}
         if isinstance(obj, (bytes, bytearray)):
             if not self.saving:  # not a target: the saved bytes replace it (_restore._into)
                 return {"t": "v", "v": None}
             data = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.empty(0, dtype=torch.uint8)
             return {**self.encode(data, path, expand_stateful=False), "bytes": type(obj).__name__}
-        if _scalar_set(obj):
+        if scalar_set(obj):
             # in an order alike on every rank (ranks' trees are compared); a set's order is not
             items = sorted(obj, key=lambda v: (type(v).__name__, v))
             return {"t": "list", "items": [{"t": "v", "v": v} for v in items], "set": type(obj).__name__}
-        text = _text_kind(obj)
+        text = text_kind(obj)
         if text is not None:
             return {"t": "v", "v": text[2](obj), "kind": text[0]}
         if isinstance(obj, enum.Enum):  # by name: back as the member where the program holds one
@@ -222,51 +219,6 @@ def _held(value: Any, expand_stateful: bool) -> Any:
     wrapper's (DDP, torch.compile) module, as at the top level (``_wrappers``), so the
     checkpoint names the module's own keys and restores into the model wrapped or not."""
     return state_holder(value) if expand_stateful and is_stateful(value) else value
-
-
-def _array_tensor(array: np.ndarray, path: str) -> torch.Tensor:
-    """A numpy array's values as a tensor (its memory, when contiguous), saved as one and
-    restored as an array where the program holds one: numpy's arrays are what torch.save
-    users keep in a sampler's or a metric's state. Kinds with no tensor dtype (strings,
-    objects, dates) are refused by path."""
-    if not _numeric_array(array):
-        raise UnsupportedStateError(
-            f"state[{path!r}]: a numpy array of dtype {array.dtype} cannot be checkpointed without pickle; "
-            "store numbers (array.astype(...)), or strings in a list (array.tolist())")
-    with warnings.catch_warnings():  # a read-only array: the save only reads it
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            return torch.from_numpy(np.ascontiguousarray(array))
-        except TypeError as exc:  # float128 and the like
-            raise UnsupportedStateError(f"state[{path!r}]: a numpy array of dtype {array.dtype} has no tensor "
-                                        f"dtype ({exc}); convert it (array.astype(np.float64))") from exc
-
-
-def _as_bytes(value: Any, kind: str) -> Any:
-    """Saved bytes as bytes again (a manifest's flag on another kind of tensor: its bytes)."""
-    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-        return value
-    data = bytes(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return data if kind == "bytes" else bytearray(data)
-
-
-def _as_set(items: list[Any], kind: str) -> Any:
-    """A saved set as one again (a manifest's flag on a list of unhashable values: the list)."""
-    try:
-        return set(items) if kind == "set" else frozenset(items)
-    except TypeError:
-        return items
-
-
-def _as_numpy(value: Any) -> Any:
-    """A tensor saved from a numpy array, as an array again (sharing its memory); one that
-    cannot be (a manifest's flag on a bfloat16 tensor) stays a tensor."""
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.requires_grad:
-        try:
-            return value.numpy()
-        except (TypeError, RuntimeError):
-            return value
-    return value
 
 
 def _remedy(obj: Any) -> str:
@@ -293,65 +245,6 @@ _INSTEAD: list[tuple[type | tuple[type, ...], str]] = [
     (os.PathLike, "str(value) (restored as a string)"),
     ((set, frozenset), "a set of numbers and strings, or sorted(value) (restored as a list)"),
 ]
-
-
-def _torch_dtype(text: str) -> torch.dtype:
-    value = getattr(torch, text, None)  # an attribute looked up, never called
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"not a torch dtype: {text!r}")
-    return value
-
-
-#: values a config holds that are saved as text and made again from it by a parser, never
-#: by code of the checkpoint's: (kind, type, to text, from text). A datetime before a date
-#: (it is one).
-_TEXT_KINDS: tuple[tuple[str, type, Callable[[Any], str], Callable[[str], Any]], ...] = (
-    ("path", pathlib.PurePath, str, pathlib.Path),
-    ("datetime", datetime.datetime, datetime.datetime.isoformat, datetime.datetime.fromisoformat),
-    ("date", datetime.date, datetime.date.isoformat, datetime.date.fromisoformat),
-    ("timedelta", datetime.timedelta, lambda d: repr(d.total_seconds()),
-     lambda t: datetime.timedelta(seconds=float(t))),
-    ("dtype", torch.dtype, lambda d: str(d).removeprefix("torch."), _torch_dtype),
-    ("device", torch.device, str, torch.device),
-    ("complex", complex, repr, complex),
-    ("uuid", uuid.UUID, str, uuid.UUID),
-)
-_FROM_TEXT = {kind: parse for kind, _, _, parse in _TEXT_KINDS}
-
-
-def _text_kind(value: Any) -> tuple[str, type, Callable[[Any], str], Callable[[str], Any]] | None:
-    return next((kind for kind in _TEXT_KINDS if isinstance(value, kind[1])), None)
-
-
-def _from_text(text: Any, kind: str) -> Any:
-    """A value saved as text, made again (a manifest's text that does not parse: the text)."""
-    try:
-        return _FROM_TEXT[kind](text) if isinstance(text, str) else text
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        return text
-
-
-def _number_scalar(value: Any) -> bool:
-    return isinstance(value, np.generic) and type(value.item()) in (bool, int, float)
-
-
-def _scalar_set(value: Any) -> bool:
-    return isinstance(value, (set, frozenset)) and all(isinstance(v, _SCALARS) for v in value)
-
-
-def is_plain_leaf(value: Any) -> bool:
-    """Whether a checkpoint holds ``value`` without pickle as a leaf: a tensor, a JSON scalar,
-    numpy's numbers, bytes, a set of scalars, or a value kept as text (a path, a date, a
-    torch dtype or device, a complex number, a UUID, an enum's member by name). What the
-    Lightning plugin keeps as is."""
-    if isinstance(value, (torch.Tensor, bytes, bytearray, *_SCALARS)) or _number_scalar(value) or _scalar_set(value):
-        return True
-    return _numeric_array(value) or _text_kind(value) is not None or isinstance(value, enum.Enum)
-
-
-def _numeric_array(value: Any) -> bool:
-    """A numpy array of numbers in this machine's byte order: what a tensor can hold."""
-    return isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.dtype.byteorder != ">"
 
 
 def flatten_state(state: Mapping[str, Any], rank: int = 0) -> Flattened:
@@ -398,15 +291,15 @@ def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, 
     if kind == "tensor":
         value = tensor(node["name"])
         if kinds and node.get("bytes") in ("bytes", "bytearray"):
-            return _as_bytes(value, node["bytes"])
-        return _as_numpy(value) if kinds and node.get("numpy") is True else value
+            return as_bytes(value, node["bytes"])
+        return as_numpy(value) if kinds and node.get("numpy") is True else value
     if kind == "v":
-        return _from_text(node["v"], node["kind"]) if kinds and node.get("kind") in _FROM_TEXT else node["v"]
+        return from_text(node["v"], node["kind"]) if kinds and node.get("kind") in FROM_TEXT else node["v"]
     if kind == "dict":
         return {k: build_value(v, tensor, kinds=kinds) for k, v in node["items"]}
     if kind == "list":
         items = [build_value(v, tensor, kinds=kinds) for v in node["items"]]
-        return _as_set(items, node["set"]) if kinds and node.get("set") in ("set", "frozenset") else items
+        return as_set(items, node["set"]) if kinds and node.get("set") in ("set", "frozenset") else items
     if kind == "tuple":
         return tuple(build_value(v, tensor, kinds=kinds) for v in node["items"])
     if kind in ("obj", "per_rank"):

@@ -38,7 +38,7 @@ from ._checkpointer import Checkpointer
 from ._coord import SoloCoordinator
 from ._errors import CheckpointCorruptError
 from ._storage import LocalStorage
-from ._tree import is_plain_leaf
+from ._kinds import is_plain_leaf
 
 __all__ = ["ResilientCheckpointIO"]
 
