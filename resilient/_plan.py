@@ -235,8 +235,7 @@ def _units(descriptions: list[Description], everywhere: set[str]) -> list[_Unit]
     for sharded, _ in lists:
         for entry in sharded:
             count[entry[0]] = count.get(entry[0], 0) + 1
-    crossing: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    item: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+    crossing: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[list[int], int]] = {}  # -> holders, bytes
     for sharded, ranks in lists:
         by_class: dict[int, list[str]] = {}
         itemsize: dict[int, int] = {}
@@ -245,8 +244,7 @@ def _units(descriptions: list[Description], everywhere: set[str]) -> list[_Unit]
                 for r in ranks:
                     offsets, sizes = descriptions[r]["boxes"][cls]
                     key = (name, tuple(offsets), tuple(sizes))
-                    crossing.setdefault(key, []).append(r)
-                    item[key] = math.prod(sizes) * dtype_itemsize(dtype)
+                    crossing.setdefault(key, ([], math.prod(sizes) * dtype_itemsize(dtype)))[0].append(r)
             else:
                 by_class.setdefault(cls, []).append(name)
                 itemsize.setdefault(cls, dtype_itemsize(dtype))
@@ -257,7 +255,7 @@ def _units(descriptions: list[Description], everywhere: set[str]) -> list[_Unit]
                 holders.setdefault((tuple(offsets), tuple(sizes)), []).append(r)
             for (_, sizes), held in holders.items():
                 units.append(_Unit(tuple(held), names, math.prod(sizes) * itemsize[cls]))
-    units += [_Unit(tuple(held), [key[0]], item[key]) for key, held in crossing.items()]
+    units += [_Unit(tuple(held), [key[0]], nbytes) for key, (held, nbytes) in crossing.items()]
     for rank, d in enumerate(descriptions):
         units += [_Unit((rank,), [name], math.prod(shape) * dtype_itemsize(dtype)) for name, dtype, shape in d["own"]]
     partial: dict[str, tuple[list[int], int]] = {}

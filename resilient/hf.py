@@ -43,6 +43,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from ._checkpointer import Checkpointer
+from ._storage import LocalStorage
 
 __all__ = ["ResilientTrainer", "ResilientTrainerMixin"]
 
@@ -138,11 +139,10 @@ class ResilientTrainerMixin:
                 theirs = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
                 return theirs if _marked_step(theirs) is None else None
             raise ValueError(f"ResilientTrainer: no committed checkpoint in {self.resilient_root} to resume from")
-        folder = os.path.join(self.args.output_dir, f"checkpoint-{found}")
-        os.makedirs(folder, exist_ok=True)
-        _write_atomically(os.path.join(folder, TRAINER_STATE), holder["trainer_state"])
-        _write_atomically(os.path.join(folder, MARKER), json.dumps({"root": self.resilient_root, "step": found}))
-        return folder
+        folder = LocalStorage(os.path.join(self.args.output_dir, f"checkpoint-{found}"))
+        folder.write(TRAINER_STATE, [holder["trainer_state"].encode()])
+        folder.write(MARKER, [json.dumps({"root": self.resilient_root, "step": found}).encode()])
+        return folder.root
 
     # -- the Trainer's loading, for a marked directory ------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -186,13 +186,6 @@ def _marked_step(folder: Any) -> int | None:
     except (OSError, ValueError, AttributeError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class _without_generators:
