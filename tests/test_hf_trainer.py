@@ -81,3 +81,23 @@ def test_resume_true_without_a_checkpoint_and_load_best_model_are_refused_by_nam
                              load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps")
     with pytest.raises(ValueError, match="load_best_model_at_end is not supported"):
         ResilientTrainer(model=model, args=best, train_dataset=data, eval_dataset=data)
+
+
+def test_save_total_limit_is_the_number_of_steps_kept(tmp_path):
+    """The Trainer's ``save_total_limit`` bounds resilient's checkpoints as it bounds its own
+    directories; every save of the run is committed when ``train`` returns."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from resilient.hf import ResilientTrainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 64, (32, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, save_steps=4, save_total_limit=2,
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True, disable_tqdm=True)
+    ResilientTrainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint="auto")
+    kept = sorted(n for n in os.listdir(tmp_path / "resilient") if n.startswith("step-"))
+    assert kept == ["step-0000000008", "step-0000000012"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")]  # none written when saving
