@@ -33,10 +33,11 @@ Not covered: DeepSpeed and the Trainer's FSDP (their engines save their own stat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
@@ -188,15 +189,12 @@ def _marked_step(folder: Any) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-class _without_generators:
+@contextlib.contextmanager
+def _without_generators(ckpt: Checkpointer) -> Iterator[None]:
     """Restore the model or the Trainer's state without setting the generators: the Trainer
     sets them later, after skipping the batches already trained (``_load_rng_state``)."""
-
-    def __init__(self, ckpt: Checkpointer) -> None:
-        self.ckpt, self.rng = ckpt, ckpt.rng
-
-    def __enter__(self) -> None:
-        self.ckpt.rng = False
-
-    def __exit__(self, *exc: Any) -> None:
-        self.ckpt.rng = self.rng
+    rng, ckpt.rng = ckpt.rng, False
+    try:
+        yield
+    finally:
+        ckpt.rng = rng
