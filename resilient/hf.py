@@ -26,9 +26,16 @@ from gets a small ``<output_dir>/checkpoint-N`` directory holding the Trainer's 
 Switching a run from ``Trainer`` to ``ResilientTrainer`` midway: ``"auto"`` resumes from the
 plain Trainer's newest ``checkpoint-N`` when resilient has none yet.
 
-Not covered: DeepSpeed and the Trainer's FSDP (their engines save their own state),
-``load_best_model_at_end`` (both refused when the Trainer is made, with the reason), and
-``push_to_hub`` of checkpoints (the final model is pushed as usual).
+The best step (``metric_for_best_model``) is kept by retention besides the newest
+``save_total_limit`` steps, as the Trainer's rotation keeps its directory, and
+``load_best_model_at_end`` loads its model from resilient's checkpoint. With
+``save_only_model`` a save holds the model and the Trainer's state only, and a run is not
+resumed from it (the optimizer and schedule would start again): that is refused, naming
+the step.
+
+Not covered: DeepSpeed and the Trainer's FSDP (their engines save their own state; both
+refused when the Trainer is made, with the reason), and ``push_to_hub`` of checkpoints (the
+final model is pushed as usual; a warning says so).
 """
 
 from __future__ import annotations
@@ -36,20 +43,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
-from typing import Any, Iterator
+import re
+from typing import Any, Iterator, Sequence
 
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import HubStrategy, get_last_checkpoint
 
 from ._checkpointer import Checkpointer
+from ._policy import RetentionPolicy, retention_policy
 from ._storage import LocalStorage
 
 __all__ = ["ResilientTrainer", "ResilientTrainerMixin"]
 
 MARKER = "resilient.json"
 TRAINER_STATE = "trainer_state.json"
+MODEL_ONLY = "model_only"  # an entry of a save_only_model step: no optimizer or schedule to resume
+
+log = logging.getLogger("resilient")
 
 
 class ResilientTrainerMixin:
@@ -59,10 +72,6 @@ class ResilientTrainerMixin:
     def __init__(self, *args: Any, resilient_root: str | None = None, resilient_remote: str | None = None,
                  resilient_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.args.load_best_model_at_end:
-            raise ValueError("ResilientTrainer: load_best_model_at_end is not supported (the best step's model "
-                             "is in resilient's checkpoint, not in a checkpoint-N directory the Trainer reads); "
-                             "export that step with resilient-ckpt export instead")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("ResilientTrainer: DeepSpeed and the Trainer's FSDP save their engines' own state; "
                              "use the plain Trainer with them, or FSDP2 in a loop of your own with Checkpointer")
@@ -70,20 +79,29 @@ class ResilientTrainerMixin:
         self._resilient_remote = resilient_remote
         self._resilient_options = dict(resilient_options or {})
         self._resilient: Checkpointer | None = None
+        self._best_saved: list[int] = []  # steps that were the best when saved, oldest first
+        if self.args.push_to_hub and self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+            log.warning("resilient: hub_strategy=%r pushes checkpoint directories, which ResilientTrainer does "
+                        "not write; the final model is pushed as usual", str(self.args.hub_strategy))
 
     # -- the checkpointer -----------------------------------------------------------------------
     def checkpointer(self) -> Checkpointer:
         """The run's ``Checkpointer`` (made at first use: the process group is up by then).
-        It keeps ``save_total_limit`` steps, or every step when that is unset."""
+        It keeps ``save_total_limit`` steps (or every step when that is unset), and the best
+        step besides (``_KeepingTheBest``)."""
         if self._resilient is None:
             options = {"keep": self.args.save_total_limit, **self._resilient_options}
+            options["keep"] = _KeepingTheBest.around(options["keep"], self._best_saved)
             self._resilient = Checkpointer(self.resilient_root, remote=self._resilient_remote, **options)
         return self._resilient
 
     def _entries(self) -> dict[str, Any]:
         """What a checkpoint holds besides the Trainer's state: the model (a DDP wrapper's
-        module's keys), the optimizer and scheduler, and the gradient scaler under fp16."""
+        module's keys), the optimizer and scheduler, and the gradient scaler under fp16;
+        with ``save_only_model``, the model alone."""
         entries: dict[str, Any] = {"model": self.model}
+        if self.args.save_only_model:
+            return entries
         if self.optimizer is not None:
             entries["optimizer"] = self.optimizer
         if self.lr_scheduler is not None:
@@ -97,7 +115,9 @@ class ResilientTrainerMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Every rank snapshots its state; the writes and the commit go on in the background.
         The Trainer's state goes in as its JSON, with the callbacks' states as the Trainer
-        itself records them."""
+        itself records them, and the best step's directory name as the Trainer gives it
+        (``_note_the_best``)."""
+        self._note_the_best(trial)
         for callback in [*self.callback_handler.callbacks, self.control]:
             if isinstance(callback, ExportableState):
                 name, value = type(callback).__name__, callback.state()
@@ -106,8 +126,23 @@ class ResilientTrainerMixin:
                 else:
                     self.state.stateful_callbacks[name] = value
         trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
-        self.checkpointer().save(self.state.global_step, {**self._entries(), "trainer_state": trainer_state},
-                                 force=True)
+        entries = {**self._entries(), "trainer_state": trainer_state}
+        if self.args.save_only_model:
+            entries[MODEL_ONLY] = True
+        self.checkpointer().save(self.state.global_step, entries, force=True)
+
+    def _note_the_best(self, trial: Any) -> None:
+        """When the step being saved is the best so far (``metric_for_best_model``, decided by
+        the evaluation just before the save), it becomes ``best_model_checkpoint``, the
+        ``checkpoint-N`` path the Trainer would have written: what it records in its state,
+        keeps from rotation and loads at the end (``_load_best_model``). An evaluation's best
+        at a step not saved changes nothing, as with the Trainer's own directories."""
+        step = self.state.global_step
+        if self.state.best_global_step != step:
+            return
+        if step not in self._best_saved:
+            self._best_saved.append(step)
+        self.state.best_model_checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{step}")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``resume_from_checkpoint``: ``"auto"`` (the newest committed step; when there is
@@ -132,7 +167,7 @@ class ResilientTrainerMixin:
             step = _marked_step(asked)
             if step is None:
                 return asked  # the Trainer's own checkpoint directory: its own loading
-        holder: dict[str, Any] = {"trainer_state": None}
+        holder: dict[str, Any] = {"trainer_state": None, MODEL_ONLY: False}
         with _without_generators(self.checkpointer()):
             found = self.checkpointer().restore(holder, step=step, strict=False)
         if not found:
@@ -140,10 +175,29 @@ class ResilientTrainerMixin:
                 theirs = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
                 return theirs if _marked_step(theirs) is None else None
             raise ValueError(f"ResilientTrainer: no committed checkpoint in {self.resilient_root} to resume from")
-        folder = LocalStorage(os.path.join(self.args.output_dir, f"checkpoint-{found}"))
-        folder.write(TRAINER_STATE, [holder["trainer_state"].encode()])
-        folder.write(MARKER, [json.dumps({"root": self.resilient_root, "step": found}).encode()])
+        if holder[MODEL_ONLY]:
+            raise ValueError(f"ResilientTrainer: step {found} in {self.resilient_root} was saved with "
+                             "save_only_model=True: it holds the model but not the optimizer, scheduler or "
+                             "generators, so training cannot resume from it; start without "
+                             "resume_from_checkpoint (or load its model with resilient's restore), and drop "
+                             "save_only_model to make steps a run resumes from")
+        trainer_state = json.loads(holder["trainer_state"])
+        best_dir = trainer_state.get("best_model_checkpoint")
+        best = _step_of_dir(best_dir)
+        if best is not None and (not os.path.isdir(best_dir) or _marked_step(best_dir) is not None):
+            # resilient's best step (retention keeps it): the Trainer forgets a best step whose
+            # directory is missing, so it gets one too (a plain Trainer's own is left as it is)
+            trainer_state["best_model_checkpoint"] = self._marked_dir(best).root
+            self._best_saved[:] = [best]
+        folder = self._marked_dir(found)
+        folder.write(TRAINER_STATE, [(json.dumps(trainer_state, indent=2, sort_keys=True) + "\n").encode()])
         return folder.root
+
+    def _marked_dir(self, step: int) -> LocalStorage:
+        """``<output_dir>/checkpoint-<step>`` with the marker naming resilient's step in it."""
+        folder = LocalStorage(os.path.join(self.args.output_dir, f"checkpoint-{step}"))
+        folder.write(MARKER, [json.dumps({"root": self.resilient_root, "step": step}).encode()])
+        return folder
 
     # -- the Trainer's loading, for a marked directory ------------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -172,9 +226,51 @@ class ResilientTrainerMixin:
         elif self.checkpointer().rng:
             self.checkpointer().restore({}, step=step, strict=False)
 
+    def _load_best_model(self) -> None:
+        """At the end of ``train`` with ``load_best_model_at_end``: the best step's model, from
+        resilient's checkpoint (every save so far is committed first)."""
+        path = self.state.best_model_checkpoint
+        step = _marked_step(path) if os.path.isdir(path) else _step_of_dir(path)
+        if step is None:  # the plain Trainer's own directory (a run switched midway)
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        log.info("resilient: loading the best model, step %d (%s %s)", step, self.args.metric_for_best_model,
+                 self.state.best_metric)
+        with _without_generators(self.checkpointer()):
+            self.checkpointer().restore({"model": self.model}, step=step, strict=False)
+
 
 class ResilientTrainer(ResilientTrainerMixin, Trainer):
     """``transformers.Trainer`` whose checkpoints are resilient's (see the module's text)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepingTheBest:
+    """A retention policy that keeps, besides what ``inner`` keeps, the newest committed step
+    among those saved as the best: the Trainer's rotation keeps its best directory the same
+    way. The previous best is kept until the new one is committed, so a best step whose
+    save failed leaves the one before it in place."""
+
+    inner: RetentionPolicy
+    best_saved: list[int]  # the trainer's list, appended to as the run goes on
+
+    @classmethod
+    def around(cls, keep: Any, best_saved: list[int]) -> RetentionPolicy | None:
+        inner = retention_policy(keep)
+        return None if inner is None else cls(inner, best_saved)
+
+    def __repr__(self) -> str:  # the retention named in its log lines
+        return f"{self.inner!r} and the best step"
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        committed_best = set(self.best_saved) & set(steps)
+        return self.inner.keep(steps) | ({max(committed_best)} if committed_best else set())
+
+
+def _step_of_dir(path: Any) -> int | None:
+    """N of a ``.../checkpoint-N`` path, or None."""
+    found = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(str(path or "").rstrip("/\\")))
+    return int(found.group(1)) if found else None
 
 
 def _marked_step(folder: Any) -> int | None:

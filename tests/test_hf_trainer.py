@@ -65,39 +65,140 @@ def test_a_run_the_plain_trainer_checkpointed_resumes_from_its_own_checkpoint(tm
     assert all(torch.equal(a[k], b[k]) for k in a), out[-3000:]
 
 
-def test_resume_true_without_a_checkpoint_and_load_best_model_are_refused_by_name(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+def _tiny_gpt2() -> "torch.nn.Module":
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def _rows(n: int = 32) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 64, (n, 8), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _kept(root) -> list[int]:
+    return sorted(int(n.removeprefix("step-")) for n in os.listdir(root / "resilient") if n.startswith("step-"))
+
+
+def test_resume_true_without_a_checkpoint_is_refused_by_name(tmp_path):
+    from transformers import TrainingArguments
 
     from resilient.hf import ResilientTrainer
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                       bos_token_id=0, eos_token_id=0))
-    data = [{"input_ids": torch.zeros(4, dtype=torch.long), "labels": torch.zeros(4, dtype=torch.long)}]
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True)
-    trainer = ResilientTrainer(model=model, args=args, train_dataset=data)
+    trainer = ResilientTrainer(model=_tiny_gpt2(), args=args, train_dataset=_rows(4))
     with pytest.raises(ValueError, match=r"no committed checkpoint in .*resilient to resume from"):
         trainer.train(resume_from_checkpoint=True)
-    best = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True,
-                             load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps")
-    with pytest.raises(ValueError, match="load_best_model_at_end is not supported"):
-        ResilientTrainer(model=model, args=best, train_dataset=data, eval_dataset=data)
+
+
+class _Scripted:
+    """``compute_metrics`` giving each evaluation the next score of a script: which step is
+    the best is then known before the run."""
+
+    def __init__(self, *scores: float) -> None:
+        self.scores = list(scores)
+
+    def __call__(self, prediction) -> dict[str, float]:  # noqa: ANN001 - the Trainer's EvalPrediction
+        return {"score": self.scores.pop(0)}
+
+
+class _Weights:
+    """Every step's weights, as the Trainer saves them (after the step's optimizer step)."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        weights = self.at = {}
+
+        class Record(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kwargs):  # noqa: ANN001, ANN201
+                weights[state.global_step] = _weights_of(model)
+
+        self.callback = Record()
+
+
+def _weights_of(model) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _best_model_trainer(tmp_path, steps: int, weights: _Weights, *scores: float):
+    from transformers import TrainingArguments
+
+    from resilient.hf import ResilientTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, save_steps=4, eval_strategy="steps",
+                             eval_steps=4, save_total_limit=1, load_best_model_at_end=True,
+                             metric_for_best_model="score", greater_is_better=False,
+                             per_device_train_batch_size=4, per_device_eval_batch_size=8, report_to=[],
+                             use_cpu=True, disable_tqdm=True)
+    return ResilientTrainer(model=_tiny_gpt2(), args=args, train_dataset=_rows(), eval_dataset=_rows(8),
+                            compute_metrics=_Scripted(*scores), callbacks=[weights.callback])
+
+
+def test_load_best_model_at_end_loads_the_best_step_kept_beside_the_newest(tmp_path):
+    """``load_best_model_at_end``: the best step (8: scores 3, 1, 2 at steps 4, 8, 12) is kept
+    by retention besides ``save_total_limit=1``'s newest step, loaded at the end of ``train``,
+    and still known after a resume (the Trainer forgets a best step whose ``checkpoint-N``
+    directory is missing)."""
+    first = _Weights()
+    trainer = _best_model_trainer(tmp_path, 12, first, 3.0, 1.0, 2.0)
+    trainer.train(resume_from_checkpoint="auto")
+    assert _kept(tmp_path) == [8, 12]
+    assert trainer.state.best_model_checkpoint == os.path.join(str(tmp_path), "checkpoint-8")
+    model = _weights_of(trainer.model)
+    assert _same(model, first.at[8]) and not _same(model, first.at[12])
+
+    later = _Weights()  # the run goes on to step 16, whose score (4) is no better
+    trainer = _best_model_trainer(tmp_path, 16, later, 4.0)
+    trainer.train(resume_from_checkpoint="auto")
+    assert min(later.at) == 13 and trainer.state.best_metric == 1.0
+    assert _kept(tmp_path) == [8, 12, 16]  # 12: resumed from, which the Checkpointer keeps while the job runs
+    model = _weights_of(trainer.model)
+    assert _same(model, first.at[8]) and not _same(model, later.at[16])
+
+
+def test_save_only_model_saves_the_model_alone_and_is_not_resumed_from(tmp_path):
+    """``save_only_model``: the steps hold the model and the Trainer's state only (without
+    Adam's two moments, under half the bytes), and resuming from one is refused, naming the
+    step, instead of going on with a new optimizer and schedule."""
+    from transformers import TrainingArguments
+
+    from resilient._catalog import Catalog
+    from resilient._storage import LocalStorage
+    from resilient.hf import ResilientTrainer
+
+    def args(only_model: bool, out: str, steps: int) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path / out), max_steps=steps, save_steps=4,
+                                 save_only_model=only_model, per_device_train_batch_size=4, report_to=[],
+                                 use_cpu=True, disable_tqdm=True)
+
+    for only_model, out in ((False, "full"), (True, "only")):
+        ResilientTrainer(model=_tiny_gpt2(), args=args(only_model, out, 4),
+                         train_dataset=_rows()).train(resume_from_checkpoint="auto")
+    full, only = (Catalog(LocalStorage(str(tmp_path / out / "resilient"))) for out in ("full", "only"))
+    assert any(n.startswith("optimizer/") for n in full.manifest(4)["tensors"])
+    assert all(n.startswith("model/") for n in only.manifest(4)["tensors"])
+    assert only.entry(4).nbytes < full.entry(4).nbytes / 2
+    trainer = ResilientTrainer(model=_tiny_gpt2(), args=args(True, "only", 8), train_dataset=_rows())
+    with pytest.raises(ValueError, match=r"step 4 in .*only.resilient was saved with save_only_model=True"):
+        trainer.train(resume_from_checkpoint="auto")
 
 
 def test_save_total_limit_is_the_number_of_steps_kept(tmp_path):
     """The Trainer's ``save_total_limit`` bounds resilient's checkpoints as it bounds its own
     directories; every save of the run is committed when ``train`` returns."""
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from transformers import TrainingArguments
 
     from resilient.hf import ResilientTrainer
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                       bos_token_id=0, eos_token_id=0))
-    ids = torch.randint(0, 64, (32, 8), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": row, "labels": row} for row in ids]
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, save_steps=4, save_total_limit=2,
                              per_device_train_batch_size=4, report_to=[], use_cpu=True, disable_tqdm=True)
-    ResilientTrainer(model=model, args=args, train_dataset=data).train(resume_from_checkpoint="auto")
-    kept = sorted(n for n in os.listdir(tmp_path / "resilient") if n.startswith("step-"))
-    assert kept == ["step-0000000008", "step-0000000012"]
+    ResilientTrainer(model=_tiny_gpt2(), args=args, train_dataset=_rows()).train(resume_from_checkpoint="auto")
+    assert _kept(tmp_path) == [8, 12]
     assert not [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")]  # none written when saving
