@@ -26,6 +26,9 @@ from gets a small ``<output_dir>/checkpoint-N`` directory holding the Trainer's 
 Switching a run from ``Trainer`` to ``ResilientTrainer`` midway: ``"auto"`` resumes from the
 plain Trainer's newest ``checkpoint-N`` when resilient has none yet.
 
+A model with PEFT adapters (LoRA and the like) saves its trainable parameters alone, as
+the Trainer's checkpoints hold the adapter alone (``_saved_part``).
+
 The best step (``metric_for_best_model``) is kept by retention besides the newest
 ``save_total_limit`` steps, as the Trainer's rotation keeps its directory, and
 ``load_best_model_at_end`` loads its model from resilient's checkpoint. With
@@ -50,7 +53,7 @@ from typing import Any, Iterator, Sequence
 
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import HubStrategy, get_last_checkpoint
+from transformers.trainer_utils import HubStrategy, _is_peft_model, get_last_checkpoint
 
 from ._checkpointer import Checkpointer
 from ._policy import RetentionPolicy, retention_policy
@@ -99,7 +102,7 @@ class ResilientTrainerMixin:
         """What a checkpoint holds besides the Trainer's state: the model (a DDP wrapper's
         module's keys), the optimizer and scheduler, and the gradient scaler under fp16;
         with ``save_only_model``, the model alone."""
-        entries: dict[str, Any] = {"model": self.model}
+        entries: dict[str, Any] = {"model": _saved_part(self.model)}
         if self.args.save_only_model:
             return entries
         if self.optimizer is not None:
@@ -237,7 +240,7 @@ class ResilientTrainerMixin:
         log.info("resilient: loading the best model, step %d (%s %s)", step, self.args.metric_for_best_model,
                  self.state.best_metric)
         with _without_generators(self.checkpointer()):
-            self.checkpointer().restore({"model": self.model}, step=step, strict=False)
+            self.checkpointer().restore({"model": _saved_part(self.model)}, step=step, strict=False)
 
 
 class ResilientTrainer(ResilientTrainerMixin, Trainer):
@@ -265,6 +268,18 @@ class _KeepingTheBest:
     def keep(self, steps: Sequence[int]) -> set[int]:
         committed_best = set(self.best_saved) & set(steps)
         return self.inner.keep(steps) | ({max(committed_best)} if committed_best else set())
+
+
+def _saved_part(model: Any) -> Any:
+    """What of ``model`` a checkpoint holds: the model; of a model with PEFT adapters (a
+    ``PeftModel``, or one given adapters by ``add_adapter``), its trainable parameters by
+    name, as the Trainer's own checkpoints hold the adapter alone. The frozen base comes
+    from ``from_pretrained`` at every start; saving it at every step would write the whole
+    pretrained model each time (gigabytes for megabytes of adapter). They are restored in
+    place, into the parameters of the adapter the program has just made."""
+    if not (_is_peft_model(model) or getattr(model, "_hf_peft_config_loaded", False)):
+        return model
+    return {name: param for name, param in model.named_parameters() if param.requires_grad}
 
 
 def _step_of_dir(path: Any) -> int | None:

@@ -202,3 +202,41 @@ def test_save_total_limit_is_the_number_of_steps_kept(tmp_path):
     ResilientTrainer(model=_tiny_gpt2(), args=args, train_dataset=_rows()).train(resume_from_checkpoint="auto")
     assert _kept(tmp_path) == [8, 12]
     assert not [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")]  # none written when saving
+
+
+def test_a_peft_adapter_is_saved_alone_and_resumes_to_the_uninterrupted_result(tmp_path):
+    """A LoRA fine-tune: each step holds the adapter's parameters (and their optimizer state),
+    not the frozen base, as the Trainer's own checkpoints do; a run stopped after step 6 and
+    resumed from step 4 into a new base and adapter ends bit for bit where the uninterrupted
+    run does (dropout on: the generators come back too)."""
+    peft = pytest.importorskip("peft")
+    from transformers import TrainerCallback, TrainingArguments
+
+    from resilient._catalog import Catalog
+    from resilient._storage import LocalStorage
+    from resilient.hf import ResilientTrainer
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            control.should_training_stop = state.global_step == 6
+
+    def run(out: str, *callbacks: TrainerCallback) -> dict[str, torch.Tensor]:
+        model = peft.get_peft_model(_tiny_gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                                  fan_in_fan_out=True))
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=8, save_steps=4,
+                                 per_device_train_batch_size=4, learning_rate=1e-2, report_to=[], use_cpu=True,
+                                 disable_tqdm=True)
+        trainer = ResilientTrainer(model=model, args=args, train_dataset=_rows(), callbacks=list(callbacks))
+        trainer.train(resume_from_checkpoint="auto")
+        return _weights_of(trainer.model)
+
+    full = run("full")
+    assert run("stopped", StopAt())["base_model.model.lm_head.weight"].equal(full["base_model.model.lm_head.weight"])
+    assert _kept(tmp_path / "stopped") == [4]
+    saved = Catalog(LocalStorage(str(tmp_path / "stopped" / "resilient"))).manifest(4)["tensors"]
+    model_keys = sorted(n for n in saved if n.startswith("model/"))
+    assert model_keys and all(".lora_" in n for n in model_keys), model_keys
+    resumed = run("stopped")
+    differ = [k for k in full if not torch.equal(full[k], resumed[k])]
+    trained = [k for k in full if ".lora_B" in k and full[k].abs().sum() > 0]  # (lora_B starts at zero)
+    assert trained and not differ, differ
