@@ -128,7 +128,11 @@ class ResilientTrainerMixin:
                     self.state.stateful_callbacks[name].append(value)
                 else:
                     self.state.stateful_callbacks[name] = value
-        trainer_state = json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+        # as process zero writes it: the flags saying which process this is are set again at
+        # load, and left as they are they made the state differ by rank (saved once per rank,
+        # and a warning at every resize)
+        fields = {**dataclasses.asdict(self.state), "is_local_process_zero": True, "is_world_process_zero": True}
+        trainer_state = json.dumps(fields, indent=2, sort_keys=True) + "\n"
         entries = {**self._entries(), "trainer_state": trainer_state}
         if self.args.save_only_model:
             entries[MODEL_ONLY] = True

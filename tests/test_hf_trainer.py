@@ -10,6 +10,9 @@ import sys
 import pytest
 import torch
 
+from resilient._catalog import Catalog
+from resilient._storage import LocalStorage
+
 from .launch import REPO
 
 pytest.importorskip("transformers")
@@ -40,6 +43,8 @@ def test_a_trainer_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     steps = sorted(n for n in os.listdir(resumed / "resilient") if n.startswith("step-"))
     assert steps in (["step-0000000004"], ["step-0000000004", "step-0000000008"]), steps
     newest = int(steps[-1].removeprefix("step-"))
+    # the Trainer's state is the same on both ranks (not one per rank, warned about at a resize)
+    assert len(Catalog(LocalStorage(str(resumed / "resilient"))).manifest(4)["trees"]) == 1
     out = _launch("--dir", str(resumed), "--steps", "12", "--out", str(tmp_path / "resumed.pt"))
     assert "trained to step 12" in out
     # the Trainer resumed through its own path, from the directory written for that step
@@ -169,8 +174,6 @@ def test_save_only_model_saves_the_model_alone_and_is_not_resumed_from(tmp_path)
     step, instead of going on with a new optimizer and schedule."""
     from transformers import TrainingArguments
 
-    from resilient._catalog import Catalog
-    from resilient._storage import LocalStorage
     from resilient.hf import ResilientTrainer
 
     def args(only_model: bool, out: str, steps: int) -> TrainingArguments:
@@ -212,8 +215,6 @@ def test_a_peft_adapter_is_saved_alone_and_resumes_to_the_uninterrupted_result(t
     peft = pytest.importorskip("peft")
     from transformers import TrainerCallback, TrainingArguments
 
-    from resilient._catalog import Catalog
-    from resilient._storage import LocalStorage
     from resilient.hf import ResilientTrainer
 
     class StopAt(TrainerCallback):
