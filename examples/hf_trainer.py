@@ -6,7 +6,9 @@
 
 A small GPT-2 (built from a config, no download) learns random token sequences; dropout is
 on, so a resumed run matches an uninterrupted one only if the generators and the data
-position come back exactly. ``--kill-at N`` SIGKILLs the process after step N (a crash).
+position come back exactly. ``--kill-at N`` SIGKILLs the process after step N (a crash);
+``--term-at N`` sends rank 0 SIGTERM after step N (a preemption: step N is saved whatever
+``--save-steps`` says, and the run exits with status 0).
 """
 
 from __future__ import annotations
@@ -34,16 +36,18 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class KillAt(TrainerCallback):
-    """SIGKILL this process at the end of a step: nothing flushed, nothing closed."""
+class SignalAt(TrainerCallback):
+    """At the end of step ``step``, send this process ``sig``: SIGKILL (a crash: nothing
+    flushed, nothing closed), or SIGTERM to rank 0 alone (a preemption notice, which the
+    other ranks learn of from rank 0)."""
 
-    def __init__(self, step: int | None) -> None:
-        self.step = step
+    def __init__(self, step: int | None, sig: signal.Signals, what: str) -> None:
+        self.step, self.sig, self.what = step, sig, what
 
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - Trainer's signature
-        if state.global_step == self.step:
-            print(f"killed at step {state.global_step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == self.step and (self.sig == signal.SIGKILL or args.process_index == 0):
+            print(f"{self.what} at step {state.global_step}", flush=True)
+            os.kill(os.getpid(), self.sig)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", required=True, help="the Trainer's output_dir (resilient's checkpoints in resilient/)")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--save-steps", type=int, default=4)
-    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL every rank after this step (a crash)")
+    p.add_argument("--term-at", type=int, default=None,
+                   help="SIGTERM rank 0 after this step (preemption: that step is saved, then the run exits)")
     p.add_argument("--out", default=None, help="torch.save the final weights here")
     p.add_argument("--plain", action="store_true", help="the plain Trainer (its own checkpoints), for comparison")
     a = p.parse_args(argv)
@@ -64,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     kind = Trainer if a.plain else ResilientTrainer
-    trainer = kind(model=model, args=args, train_dataset=TokenData(), callbacks=[KillAt(a.kill_at)])
+    signals = [SignalAt(a.kill_at, signal.SIGKILL, "killed"), SignalAt(a.term_at, signal.SIGTERM, "signalled")]
+    trainer = kind(model=model, args=args, train_dataset=TokenData(), callbacks=signals)
     result = trainer.train(resume_from_checkpoint=None if a.plain else "auto")
     print(f"trained to step {trainer.state.global_step}, loss {result.training_loss:.4f}", flush=True)
     if a.out and trainer.args.process_index == 0:

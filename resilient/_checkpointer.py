@@ -589,6 +589,19 @@ class Checkpointer:
             due, preempt = bool(due_max), bool(preempt_max)
         return due or preempt, preempt
 
+    def preempted(self) -> bool:
+        """Whether the job is being preempted (SIGTERM or SIGUSR1 seen by any rank), the
+        same answer on every rank: one small all-reduce when there are several, so every
+        rank calls it at the same point. For a loop whose saves someone else schedules (a
+        Trainer's ``save_steps``): asked once a step, it says to save now, and that
+        ``save()`` commits the step, drains it and ends the process (see Preemption). A loop
+        calling ``save()`` every step needs none of this: ``save()`` asks itself."""
+        self._check_open()
+        wanted = self._preemption is not None and self._preemption.requested
+        if self._coord.world_size > 1 and self._preemption is not None:
+            wanted = bool(self._coord.agree_max(int(wanted)))
+        return wanted
+
     def _say_skipped(self, step: int) -> None:
         """A save of the step this Checkpointer saved last is skipped: a loop that calls
         ``save`` once per micro-batch (gradient accumulation) or from a hook that fires

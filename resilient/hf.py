@@ -26,6 +26,10 @@ from gets a small ``<output_dir>/checkpoint-N`` directory holding the Trainer's 
 Switching a run from ``Trainer`` to ``ResilientTrainer`` midway: ``"auto"`` resumes from the
 plain Trainer's newest ``checkpoint-N`` when resilient has none yet.
 
+On SIGTERM or SIGUSR1 (a preemption, to any rank) the step just trained is saved at once,
+whatever ``save_steps`` says, committed and drained, and the process exits with status 0
+(``_SaveWhenPreempted``).
+
 A model with PEFT adapters (LoRA and the like) saves its trainable parameters alone, as
 the Trainer's checkpoints hold the adapter alone (``_saved_part``).
 
@@ -51,7 +55,7 @@ import os
 import re
 from typing import Any, Iterator, Sequence
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import HubStrategy, _is_peft_model, get_last_checkpoint
 
@@ -83,6 +87,7 @@ class ResilientTrainerMixin:
         self._resilient_options = dict(resilient_options or {})
         self._resilient: Checkpointer | None = None
         self._best_saved: list[int] = []  # steps that were the best when saved, oldest first
+        self.add_callback(_SaveWhenPreempted(self))
         if self.args.push_to_hub and self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             log.warning("resilient: hub_strategy=%r pushes checkpoint directories, which ResilientTrainer does "
                         "not write; the final model is pushed as usual", str(self.args.hub_strategy))
@@ -157,7 +162,9 @@ class ResilientTrainerMixin:
         True (the newest committed step; an error when there is none), a ``checkpoint-N``
         directory, or None (from the start)."""
         try:
-            return super().train(self._resume_dir(resume_from_checkpoint), *args, **kwargs)  # type: ignore[misc]
+            resume_dir = self._resume_dir(resume_from_checkpoint)
+            self.checkpointer()  # from the start: it is what hears a preemption signal
+            return super().train(resume_dir, *args, **kwargs)  # type: ignore[misc]
         finally:
             if self._resilient is not None:  # every save of the run committed (or its error raised)
                 ckpt, self._resilient = self._resilient, None
@@ -245,6 +252,22 @@ class ResilientTrainerMixin:
                  self.state.best_metric)
         with _without_generators(self.checkpointer()):
             self.checkpointer().restore({"model": _saved_part(self.model)}, step=step, strict=False)
+
+
+class _SaveWhenPreempted(TrainerCallback):
+    """Save the step just trained when the job is being preempted (SIGTERM or SIGUSR1 on any
+    rank; ``Checkpointer.preempted`` asks them all at the end of every step): that save is
+    committed, drained to the remote tier and ends the process with status 0 within the
+    grace. Without it the next save came on the Trainer's schedule (``save_steps``), after
+    the platform's SIGKILL: every step since the last save was lost."""
+
+    def __init__(self, trainer: ResilientTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        ckpt = self.trainer._resilient
+        if ckpt is not None and ckpt.preempted():
+            control.should_save = True
 
 
 class ResilientTrainer(ResilientTrainerMixin, Trainer):

@@ -34,9 +34,21 @@ def _launch(*args: str, check: bool = True) -> str:
     return out.stdout + out.stderr
 
 
-def test_a_trainer_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _launch("--dir", str(full), "--steps", "12", "--out", str(tmp_path / "full.pt"))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The weights of the example's 12 steps on two ranks, run without a fault."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _launch("--dir", str(out / "run"), "--steps", "12", "--out", str(out / "full.pt"))
+    return torch.load(out / "full.pt")
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert a.keys() == b.keys()
+    return {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+
+
+def test_a_trainer_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path, uninterrupted):
+    resumed = tmp_path / "resumed"
     killed = _launch("--dir", str(resumed), "--steps", "12", "--kill-at", "10", check=False)
     assert "killed at step 10" in killed
     # step 8's save was committed in the background, or was still in flight when killed
@@ -51,9 +63,25 @@ def test_a_trainer_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path):
     assert json.loads((resumed / f"checkpoint-{newest}" / "resilient.json").read_text())["step"] == newest
     state = json.loads((resumed / f"checkpoint-{newest}" / "trainer_state.json").read_text())
     assert state["global_step"] == newest
-    a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
-    differ = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
-    assert a.keys() == b.keys() and not differ, f"{differ}\n{out[-3000:]}"
+    differ = _differ(uninterrupted, torch.load(tmp_path / "resumed.pt"))
+    assert not differ, f"{differ}\n{out[-3000:]}"
+
+
+def test_a_preempted_trainer_saves_the_step_it_is_at_and_resumes_from_it(tmp_path, uninterrupted):
+    """SIGTERM to rank 0 alone after step 6, with saves every 8 steps: both ranks save step 6
+    (rank 1 learns of the signal from rank 0 at the end of the step), it is committed, and
+    the run exits with status 0; run again, it resumes from step 6 (no step lost) and ends
+    bit for bit where the uninterrupted run does."""
+    run = tmp_path / "run"
+    out = _launch("--dir", str(run), "--steps", "12", "--save-steps", "8", "--term-at", "6")
+    assert "signalled at step 6" in out and "trained to step" not in out
+    assert out.count("preempted: step 6 of") == 2, out[-3000:]
+    assert sorted(n for n in os.listdir(run / "resilient") if n.startswith("step-")) == ["step-0000000006"]
+    out = _launch("--dir", str(run), "--steps", "12", "--save-steps", "8", "--out", str(tmp_path / "resumed.pt"))
+    assert "trained to step 12" in out
+    assert json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
+    differ = _differ(uninterrupted, torch.load(tmp_path / "resumed.pt"))
+    assert not differ, f"{differ}\n{out[-3000:]}"
 
 
 def test_a_run_the_plain_trainer_checkpointed_resumes_from_its_own_checkpoint(tmp_path):
