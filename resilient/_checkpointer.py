@@ -235,6 +235,7 @@ class Checkpointer:
         _generation: int | None = None,
         _join_pending: Callable[[], bool] | None = None,
         _coordinator: Coordinator | None = None,
+        _signals: bool = True,
     ) -> None:
         if compress not in _CODECS:
             raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
@@ -386,8 +387,10 @@ class Checkpointer:
                 m.upload_lag_steps.set_function(lambda: len(uploader.pending()))
                 m.upload_lag_seconds.set_function(uploader.lag_seconds)
         _OPEN.add(self)
-        # SIGTERM / SIGUSR1: the next save() checkpoints that step and exits (see _preempt)
-        self._preemption = watch_preemption()
+        # SIGTERM / SIGUSR1: the next save() checkpoints that step and exits (see _preempt).
+        # ``_signals=False``: a caller whose framework answers the signals itself (Lightning's
+        # CheckpointIO: it saves on them with save_on_exception, tears down, then exits)
+        self._preemption = watch_preemption() if _signals else None
 
     def _saved_for_another_remote(self, remote: str | None) -> str | None:
         """(leader) The remote tier this local root's checkpoints were saved for, when it is

@@ -108,7 +108,8 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             log.warning("resilient: stored as text (cannot be saved without pickle): %s", ", ".join(replaced[:10]))
         ckpt = Checkpointer(path, keep=1, compress=self.compress, rng=False,
                             remote=f"{self.remote}/{os.path.basename(path)}" if self.remote else None,
-                            storage_options=self.storage_options, _coordinator=SoloCoordinator())
+                            storage_options=self.storage_options, _coordinator=SoloCoordinator(),
+                            _signals=False)  # Lightning answers SIGTERM itself (SIGTERMException)
         # a sequence number, not the global step: the same path may be saved twice at one step
         ckpt.save((ckpt.latest() or 0) + 1, state, force=True)
         self._open[path] = ckpt

@@ -150,3 +150,48 @@ def test_the_plugin_serves_a_trainer_of_the_lightning_package_too(tmp_path):
     assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
     # one class serves both packages' Trainers
     assert isinstance(ResilientCheckpointIO(), pl.plugins.io.CheckpointIO)
+
+
+_TERM_AT = '''
+import os, signal, sys
+sys.path.insert(0, os.path.join(sys.argv[2], "examples"))
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from lightning_train import Regressor, data
+from resilient.lightning import ResilientCheckpointIO
+
+class TermAt(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+pl.seed_everything(0, verbose=False)
+trainer = pl.Trainer(max_epochs=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, plugins=[ResilientCheckpointIO()],
+                     callbacks=[ModelCheckpoint(dirpath=sys.argv[1], save_on_exception=True), TermAt()])
+try:
+    trainer.fit(Regressor(), data())
+except BaseException as exc:
+    print(f"fit ended by {type(exc).__name__}, status {trainer.state.status.value}", flush=True)
+    raise
+'''
+
+
+def test_sigterm_is_lightnings_to_answer_and_its_exception_checkpoint_is_committed(tmp_path):
+    """Lightning answers SIGTERM itself: it stops at the step (``SIGTERMException``), saves
+    ``save_on_exception``'s checkpoint through the plugin and tears down. The plugin's
+    Checkpointers leave the signal alone: before, the first of them heard it too, and its
+    save of the exception checkpoint ended the process from inside Lightning's exception
+    hook (a SystemExit of its own, Lightning's teardown and re-raise skipped)."""
+    from resilient._catalog import Catalog
+    from resilient._storage import LocalStorage
+
+    script = tmp_path / "term_at.py"
+    script.write_text(_TERM_AT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), REPO], capture_output=True, text=True,
+                         timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    said = out.stdout + out.stderr
+    assert "fit ended by SIGTERMException, status interrupted" in said and "preempted" not in said, said[-3000:]
+    saved = tmp_path / "ck" / "epoch=1-step=12.ckpt"
+    assert f"saved checkpoint to {saved}" in said.replace("\n", " "), said[-3000:]
+    assert Catalog(LocalStorage(str(saved))).committed_steps() == [1]
