@@ -153,7 +153,7 @@ class Flattened:
             )
         holder = (obj if is_stateful(obj) else stateful_generator(obj)) if expand_stateful else None
         if holder is not None:
-            return {"t": "obj", "sd": self.encode(holder.state_dict(), path, expand_stateful=False)}
+            return {"t": "obj", "sd": self.encode(_state_dict_of(holder, path), path, expand_stateful=False)}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             # a config's dataclass: its fields as a dict, back into the program's instance
             obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -305,3 +305,18 @@ def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, 
     if kind in ("obj", "per_rank"):
         return build_value(node["sd"], tensor, kinds=kinds)
     raise ValueError(f"unknown node type {kind!r} in checkpoint tree")
+
+
+def _state_dict_of(holder: Any, path: str) -> Any:
+    """``holder.state_dict()``; an error it raises is told which entry it was saving. Why:
+    the error of an object that cannot give its state (accelerate's prepared DataLoader
+    without ``use_stateful_dataloader``: an ``AttributeError`` about ``dl_state_dict``)
+    named neither the entry nor the object, only library internals. The note keeps the
+    error's type, so a program's own ``except`` still catches it."""
+    try:
+        return holder.state_dict()
+    except Exception as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"resilient: raised by {type(holder).__name__}.state_dict() of state[{path!r}], "
+                         "which is being saved (pass what that object can give instead, or leave it out)")
+        raise

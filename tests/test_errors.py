@@ -57,6 +57,28 @@ def test_non_serialisable_value_names_the_key_and_writes_nothing(root):
     assert [n for n in os.listdir(root) if not n.startswith(".")] == []
 
 
+class _NoStateYet:
+    """An object with ``state_dict`` that cannot give its state in this configuration, as
+    accelerate's prepared DataLoader without ``use_stateful_dataloader``."""
+
+    def state_dict(self):
+        raise AttributeError("'DataLoader' object has no attribute 'dl_state_dict'")
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="notes on exceptions: Python 3.11+")
+def test_an_error_raised_by_a_state_dict_names_the_entry_and_keeps_its_type(root):
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(AttributeError, match="dl_state_dict") as err:
+            ckpt.save(1, {"w": torch.ones(2), "loaders": {"train": _NoStateYet()}})
+        assert err.value.__notes__ == [
+            "resilient: raised by _NoStateYet.state_dict() of state['loaders/train'], which is being saved (pass "
+            "what that object can give instead, or leave it out)"]
+        assert ckpt.latest() is None
+
+
 def test_every_dtype_torch_has_is_one_the_format_knows_by_size():
     """The format's dtype table is written out (so that reading a manifest needs no torch):
     a torch that adds a dtype fails here, not in a user's restore."""
