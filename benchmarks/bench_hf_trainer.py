@@ -1,0 +1,140 @@
+"""The Hugging Face ``Trainer``'s checkpoints against ``ResilientTrainer``'s: how long each
+save holds training up, and when the step is durable.
+
+    python -m benchmarks.bench_hf_trainer --layers 12 --saves 3 --rounds 2 --out benchmarks/results-hf-trainer.json
+
+GPT-2 built from a config (768 wide, ``--layers`` blocks: 124M parameters at 12), AdamW,
+one process on the CPU, ``save_steps=2``, ``save_total_limit=1``, both trainers in the same
+run, alternating by round. For each save: the time spent in the Trainer's
+``_save_checkpoint`` (the training loop waits for all of it); for ``ResilientTrainer`` also
+the time from that call until the step is committed (every file fsync'd, the commit
+record written), from its event log. The plain Trainer's files are not fsync'd: its save
+returns with them in the page cache, so its "durable" time is not known. A memcpy of the
+saved tensors' bytes (model and optimizer), measured in the same run, is the floor of any
+stall. ``--render`` prints the table of a results file again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import memcpy_seconds, rendered
+
+METHODS = ("Trainer", "ResilientTrainer")
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, length: int) -> None:
+        self.ids = torch.randint(0, 50257, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _timed(base: type) -> type:
+    """``base`` with each ``_save_checkpoint``'s wall time recorded in ``save_seconds``."""
+
+    class Timed(base):  # type: ignore[misc, valid-type]
+        save_seconds: list[float]
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            started = time.perf_counter()
+            super()._save_checkpoint(model, trial)
+            self.save_seconds.append(time.perf_counter() - started)
+
+    return Timed
+
+
+def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from resilient.hf import ResilientTrainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_positions=64))
+    out = os.path.join(root, method)
+    events = os.path.join(root, f"{method}-events.jsonl")
+    args = TrainingArguments(output_dir=out, max_steps=2 * saves, save_steps=2, save_total_limit=1,
+                             per_device_train_batch_size=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             logging_strategy="no")
+    kind = _timed(Trainer if method == "Trainer" else ResilientTrainer)
+    extra = {} if method == "Trainer" else {"resilient_options": {"events": events}}
+    trainer = kind(model=model, args=args, train_dataset=_Tokens(4 * saves, 32), **extra)
+    trainer.save_seconds = []
+    started = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - started
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes += sum(v.numel() * v.element_size() for s in trainer.optimizer.state_dict()["state"].values()
+                  for v in s.values() if isinstance(v, torch.Tensor))
+    committed = []
+    if os.path.exists(events):
+        with open(events) as f:
+            committed = [e["seconds"] for e in map(json.loads, f) if e.get("event") == "save_committed"
+                         and e.get("tier") == "local"]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"method": method, "save_s": trainer.save_seconds, "committed_s": committed, "train_s": total,
+            "bytes": nbytes}
+
+
+def table(results: dict[str, Any]) -> str:
+    memcpy = results["memcpy_s"]
+    rows = ["| trainer | saved bytes | first save's stall | later saves' stall (median, range) | committed (fsync'd) "
+            f"after | run of {2 * results['saves']} steps |", "|---|---|---|---|---|---|"]
+    for method in METHODS:
+        runs = [r for r in results["runs"] if r["method"] == method]
+        first = [r["save_s"][0] for r in runs]
+        later = [s for r in runs for s in r["save_s"][1:]]
+        committed = [s for r in runs for s in r["committed_s"]]
+        stall = statistics.median(later)
+        durable = f"{statistics.median(committed):.2f} s" if committed else "not fsync'd"
+        firsts = ", ".join(f"{s:.2f}" for s in first)
+        trains = ", ".join(f"{r['train_s']:.1f}" for r in runs)
+        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} s | {stall:.3f} s ({stall / memcpy:.1f}x "
+                    f"memcpy; {min(later):.3f}-{max(later):.3f}) | {durable} | {trains} s |")
+    return "\n".join(rows) + f"\n\nmemcpy of the saved bytes: {memcpy:.3f} s"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--saves", type=int, default=3, help="saves per trainer and round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
+    p.add_argument("--out", default=None, help="keep the samples as JSON here")
+    p.add_argument("--render", default=None, help="print the table of a results file and exit")
+    a = p.parse_args(argv)
+    if rendered(a.render, table):
+        return
+    root = tempfile.mkdtemp(prefix="bench-hf-", dir=a.root)
+    try:
+        runs = []
+        for round_ in range(a.rounds):
+            for method in (METHODS if round_ % 2 == 0 else METHODS[::-1]):
+                runs.append(one_run(method, a.layers, a.saves, root))
+                print(f"round {round_ + 1}: {method}: saves {[round(s, 3) for s in runs[-1]['save_s']]} s",
+                      flush=True)
+        results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
+                   "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
