@@ -7,8 +7,8 @@
 A small GPT-2 (built from a config, no download) learns random token sequences; dropout is
 on, so a resumed run matches an uninterrupted one only if the generators and the data
 position come back exactly. ``--kill-at N`` SIGKILLs the process after step N (a crash);
-``--term-at N`` sends rank 0 SIGTERM after step N (a preemption: step N is saved whatever
-``--save-steps`` says, and the run exits with status 0).
+``--term-at N`` sends rank 0 SIGTERM after step N (a preemption: the step the ranks agree
+on, N or N + 1, is saved whatever ``--save-steps`` says, and the run exits with status 0).
 """
 
 from __future__ import annotations
@@ -36,18 +36,21 @@ class TokenData(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class SignalAt(TrainerCallback):
-    """At the end of step ``step``, send this process ``sig``: SIGKILL (a crash: nothing
-    flushed, nothing closed), or SIGTERM to rank 0 alone (a preemption notice, which the
-    other ranks learn of from rank 0)."""
+class Faults(TrainerCallback):
+    """At the end of step ``kill_at``, SIGKILL this process (a crash: nothing flushed,
+    nothing closed); at the end of step ``term_at``, send rank 0 alone SIGTERM (a preemption
+    notice, which the other ranks learn of from rank 0)."""
 
-    def __init__(self, step: int | None, sig: signal.Signals, what: str) -> None:
-        self.step, self.sig, self.what = step, sig, what
+    def __init__(self, kill_at: int | None, term_at: int | None) -> None:
+        self.kill_at, self.term_at = kill_at, term_at
 
     def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - Trainer's signature
-        if state.global_step == self.step and (self.sig == signal.SIGKILL or args.process_index == 0):
-            print(f"{self.what} at step {state.global_step}", flush=True)
-            os.kill(os.getpid(), self.sig)
+        if state.global_step == self.kill_at:
+            print(f"killed at step {state.global_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == self.term_at and args.process_index == 0:
+            print(f"signalled at step {state.global_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-steps", type=int, default=4)
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL every rank after this step (a crash)")
     p.add_argument("--term-at", type=int, default=None,
-                   help="SIGTERM rank 0 after this step (preemption: that step is saved, then the run exits)")
+                   help="SIGTERM rank 0 after this step (preemption: it or the next is saved, then the run exits)")
     p.add_argument("--out", default=None, help="torch.save the final weights here")
     p.add_argument("--plain", action="store_true", help="the plain Trainer (its own checkpoints), for comparison")
     a = p.parse_args(argv)
@@ -70,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     kind = Trainer if a.plain else ResilientTrainer
-    signals = [SignalAt(a.kill_at, signal.SIGKILL, "killed"), SignalAt(a.term_at, signal.SIGTERM, "signalled")]
-    trainer = kind(model=model, args=args, train_dataset=TokenData(), callbacks=signals)
+    trainer = kind(model=model, args=args, train_dataset=TokenData(), callbacks=[Faults(a.kill_at, a.term_at)])
     result = trainer.train(resume_from_checkpoint=None if a.plain else "auto")
     print(f"trained to step {trainer.state.global_step}, loss {result.training_loss:.4f}", flush=True)
     if a.out and trainer.args.process_index == 0:

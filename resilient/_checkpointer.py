@@ -578,31 +578,44 @@ class Checkpointer:
     def _decide(self, step: int, force: bool) -> tuple[bool, bool]:
         """(is this step saved, is the job being preempted), the same on every rank.
 
-        One small all-reduce carries both when either needs agreement: a time-based policy
-        (rank 0's clock decides) and preemption (a signal seen by any rank counts)."""
+        A time-based policy (rank 0's clock decides) is agreed in the call, with preemption
+        beside it in the same small all-reduce, and so is preemption at a save that happens
+        anyway (``force``). Otherwise preemption alone is agreed one call late
+        (``_preempted_by_any``): waiting for it in every call cost a round trip over the
+        ranks at every step (and a host sync on an accelerator)."""
         time_based = bool(getattr(self._save_policy, "time_based", False)) and not force
         due = force or self._save_policy.due(step, time.monotonic())
         if due and not force and step == self._last_saved_step:
             due = False  # every rank makes the same calls, so every rank skips it
             self._say_skipped(step)
         preempt = self._preemption is not None and self._preemption.requested
-        if self._coord.world_size > 1 and (time_based or self._preemption is not None):
+        if self._coord.world_size > 1 and (time_based or (force and self._preemption is not None)):
             vote = int(due) if (not time_based or self._coord.rank == 0) else 0
             due_max, preempt_max = self._coord.agree_max_many([vote, int(preempt)])
             due, preempt = bool(due_max), bool(preempt_max)
+        elif self._coord.world_size > 1 and self._preemption is not None:
+            preempt = self._preempted_by_any(preempt)
         return due or preempt, preempt
+
+    def _preempted_by_any(self, here: bool) -> bool:
+        """Whether any rank had seen a preemption signal at the previous call of this (or of
+        ``preempted``), the same answer on every rank; this rank's ``here`` is sent for the
+        next call's answer. A signal is acted on at the first or second call after it."""
+        agreed = self._coord.agree_max_later([int(here)])
+        return bool(agreed and agreed[0])
 
     def preempted(self) -> bool:
         """Whether the job is being preempted (SIGTERM or SIGUSR1 seen by any rank), the
-        same answer on every rank: one small all-reduce when there are several, so every
-        rank calls it at the same point. For a loop whose saves someone else schedules (a
-        Trainer's ``save_steps``): asked once a step, it says to save now, and that
-        ``save()`` commits the step, drains it and ends the process (see Preemption). A loop
-        calling ``save()`` every step needs none of this: ``save()`` asks itself."""
+        same answer on every rank, so every rank calls it at the same points (when there are
+        several, the answer is that of the previous call, agreed without waiting: see
+        ``_preempted_by_any``). For a loop whose saves someone else schedules (a Trainer's
+        ``save_steps``): asked once a step, it says to save now, and that ``save()`` commits
+        the step, drains it and ends the process (see Preemption). A loop calling ``save()``
+        every step needs none of this: ``save()`` asks itself."""
         self._check_open()
         wanted = self._preemption is not None and self._preemption.requested
         if self._coord.world_size > 1 and self._preemption is not None:
-            wanted = bool(self._coord.agree_max(int(wanted)))
+            wanted = self._preempted_by_any(wanted)
         return wanted
 
     def _say_skipped(self, step: int) -> None:

@@ -58,6 +58,13 @@ class Coordinator:
         """Element-wise maximum over ranks of several values, in one collective."""
         return list(values)
 
+    def agree_max_later(self, values: list[int]) -> list[int] | None:
+        """Send ``values`` for an element-wise maximum over ranks without waiting for it, and
+        return the maximum of the values sent at the previous call (None at the first). Every
+        rank must call it at the same points, as any collective. Here (one process, or no
+        process group): the values themselves, at once."""
+        return list(values)
+
     def barrier(self) -> None:
         pass
 
@@ -205,6 +212,20 @@ class GroupCoordinator(StoreCoordinator):
     def agree_max_many(self, values: list[int]) -> list[int]:
         return self._reduce_many(values, dist.ReduceOp.MAX)
 
+    def agree_max_later(self, values: list[int]) -> list[int] | None:
+        """A question asked at every step (is any rank being preempted?): waiting for its
+        answer in the same call costs a round trip over the ranks each time, and on an
+        accelerator a host sync, which stops the host from queueing the next step's work
+        while the device finishes this one. Read one call later, the answer has long
+        arrived: the wait (``_Later.result``) covers only work queued before the previous
+        call, with a step of the device's work still queued behind it."""
+        previous, self._later = getattr(self, "_later", None), None
+        agreed = previous.result() if previous is not None else None
+        t = torch.tensor(values, dtype=torch.int64, device=self._device)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._later = _Later(work, t)
+        return agreed
+
     def agree_min(self, value: int) -> int:
         return self._reduce(value, dist.ReduceOp.MIN)
 
@@ -222,6 +243,28 @@ class GroupCoordinator(StoreCoordinator):
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
                               group=self.group, async_op=True)
+
+
+class _Later:
+    """An all-reduce in flight and where its answer will be read: the tensor itself on the
+    CPU, a pinned copy on an accelerator, made after the collective on the current stream
+    and marked by an event, so that reading it waits for that point of the stream only."""
+
+    def __init__(self, work: Any, reduced: torch.Tensor) -> None:
+        self._work, self._reduced, self._event = work, reduced, None
+        if reduced.is_cuda:
+            work.wait()  # the current stream waits for the collective: the host does not
+            self._reduced = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
+            self._reduced.copy_(reduced, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        else:
+            self._work.wait()
+        return [int(v) for v in self._reduced.tolist()]
 
 
 def _default_store() -> dist.Store:

@@ -4,6 +4,7 @@ SIGKILLed mid-run and resumed, against an uninterrupted run, bit for bit."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,34 +69,23 @@ def test_a_trainer_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path, 
 
 
 def test_a_preempted_trainer_saves_the_step_it_is_at_and_resumes_from_it(tmp_path, uninterrupted):
-    """SIGTERM to rank 0 alone after step 6, with saves every 8 steps: both ranks save step 6
-    (rank 1 learns of the signal from rank 0 at the end of the step), it is committed, and
-    the run exits with status 0; run again, it resumes from step 6 (no step lost) and ends
-    bit for bit where the uninterrupted run does."""
+    """SIGTERM to rank 0 alone after step 6, with saves every 8 steps: both ranks save the
+    step they agree on (rank 1 learns of the signal from rank 0 at the end of a step, one
+    step later when the agreement is read without waiting: 6 or 7), it is committed, and
+    the run exits with status 0; run again, it resumes from that step (no step lost) and
+    ends bit for bit where the uninterrupted run does."""
     run = tmp_path / "run"
     out = _launch("--dir", str(run), "--steps", "12", "--save-steps", "8", "--term-at", "6")
     assert "signalled at step 6" in out and "trained to step" not in out
-    assert out.count("preempted: step 6 of") == 2, out[-3000:]
-    assert sorted(n for n in os.listdir(run / "resilient") if n.startswith("step-")) == ["step-0000000006"]
+    saved = re.findall(r"preempted: step (\d+) of", out)
+    assert len(saved) == 2 and saved[0] == saved[1] and saved[0] in ("6", "7"), out[-3000:]
+    assert sorted(n for n in os.listdir(run / "resilient") if n.startswith("step-")) == [f"step-{int(saved[0]):010d}"]
     out = _launch("--dir", str(run), "--steps", "12", "--save-steps", "8", "--out", str(tmp_path / "resumed.pt"))
     assert "trained to step 12" in out
-    assert json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
+    state = json.loads((run / f"checkpoint-{saved[0]}" / "trainer_state.json").read_text())
+    assert state["global_step"] == int(saved[0])
     differ = _differ(uninterrupted, torch.load(tmp_path / "resumed.pt"))
     assert not differ, f"{differ}\n{out[-3000:]}"
-
-
-def test_a_run_the_plain_trainer_checkpointed_resumes_from_its_own_checkpoint(tmp_path):
-    """Switching a run midway: the plain Trainer saved checkpoint-4 and was killed; the
-    ResilientTrainer's "auto" resumes from it (resilient has no step yet), through the
-    Trainer's own loading, and ends where the uninterrupted run does."""
-    full, switched = tmp_path / "full", tmp_path / "switched"
-    _launch("--dir", str(full), "--steps", "8", "--out", str(tmp_path / "full.pt"))
-    _launch("--dir", str(switched), "--steps", "8", "--plain", "--kill-at", "6", check=False)
-    assert os.path.isfile(switched / "checkpoint-4" / "trainer_state.json")
-    out = _launch("--dir", str(switched), "--steps", "8", "--out", str(tmp_path / "switched.pt"))
-    assert "trained to step 8" in out and os.path.isdir(switched / "resilient" / "step-0000000008")
-    a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "switched.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a), out[-3000:]
 
 
 def _tiny_gpt2() -> "torch.nn.Module":

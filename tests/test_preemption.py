@@ -14,7 +14,7 @@ import torch
 
 from resilient import Checkpointer
 
-from .launch import REPO
+from .launch import REPO, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -199,3 +199,16 @@ def test_a_signal_saves_every_checkpointer_of_the_process_before_it_exits(tmp_pa
         else:  # the EMA saved nothing since the signal: the train root's next save ended it
             assert ema.latest() is None and trained == last + 1, (trained, last, out[-3000:])
     assert "base saved too" not in out, out[-3000:]
+
+
+def test_a_signal_to_one_rank_is_agreed_by_every_rank_at_the_same_call(tmp_path):
+    """The ranks agree on preemption without waiting in the call (each call reads the
+    previous call's agreement): still the same answer on every rank at every call, True
+    from the signal's call or the next, and the save after it saves that step everywhere."""
+    results = run_ranks("preemption_seen_by_one_rank", 2, {"root": str(tmp_path / "ckpt")},
+                        env={"RESILIENT_PREEMPT_GRACE": "60"})
+    answers = [json.loads(r.output.split("ANSWERS ", 1)[1].splitlines()[0]) for r in results]
+    assert answers[0] == answers[1], answers
+    first = answers[0].index(True)
+    assert first in (3, 4) and all(answers[0][first:]), answers
+    assert all("preempted: step 8 of" in r.output for r in results), results[0].output[-2000:]

@@ -512,7 +512,25 @@ def harness_probe(a: dict) -> None:
         raise RuntimeError("probe raised")
 
 
-SCENARIOS = {f.__name__: f for f in (harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
+def preemption_seen_by_one_rank(a: dict) -> None:
+    """Rank 0 alone is signalled (SIGUSR1) before the fourth ``preempted()``; every rank gets
+    the same answers, True from the signal's call or the one after it on; the next
+    ``save()`` saves that step on every rank and ends the process."""
+    import signal
+
+    rank, _ = init()
+    ckpt = Checkpointer(a["root"], every=10**9)
+    answers = []
+    for call in range(8):
+        if rank == 0 and call == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        answers.append(ckpt.preempted())
+    print("ANSWERS " + json.dumps(answers), flush=True)
+    ckpt.save(8, {"w": torch.ones(4)})
+    raise AssertionError("the preempted save did not end the process")
+
+
+SCENARIOS = {f.__name__: f for f in (preemption_seen_by_one_rank, harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
                                      remote_refused,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore, saves_on_own_nodes,
                                      stateful_dataloader_per_rank, replicated_save, replicated_restore,
