@@ -74,3 +74,32 @@ def test_an_overlapped_save_of_gpu_state_commits_the_state_at_save(tmp_path):
         got = _flat(fresh, fresh_optim)
         for name, value in expected[step].items():
             assert torch.equal(got[name], value), (step, name)
+
+
+def test_the_preemption_vote_on_nccl_is_read_a_call_late_without_a_host_sync(tmp_path, monkeypatch):
+    """On an NCCL group the vote's answer is copied to pinned memory after the collective and
+    read at the next call through an event: the answer of the previous call's values, and
+    reading it does not wait for work queued after that call."""
+    import torch.distributed as dist
+
+    from resilient._coord import GroupCoordinator
+    from resilient._local import LocalTier
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29581")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        tier = LocalTier(str(tmp_path))
+        tier.prepare()
+        coord = GroupCoordinator(None, tier)
+        assert coord.agree_max_later([3]) is None
+        busy = torch.randn(4096, 4096, device="cuda")
+        assert coord.agree_max_later([5]) == [3]
+        for _ in range(20):  # long device work queued after the vote of [5]
+            busy = busy @ busy / 4096
+        started = torch.cuda.Event(enable_timing=False)
+        started.record()
+        assert coord.agree_max_later([0]) == [5]
+        assert not started.query(), "the answer was read only once the device was idle"
+    finally:
+        dist.destroy_process_group()
