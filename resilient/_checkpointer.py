@@ -335,6 +335,7 @@ class Checkpointer:
         self._last_saved_step: int | None = None  # of the last save issued here (``_decide``)
         self._skip_said: int | None = None  # the step whose repeated saves were last reported
         self._preempted_step: int | None = None  # saved here since a preemption signal
+        self._staging_prepared = False  # see _prepare_staging (again after each restore)
         self._saves_called = False  # save() was called, due or not: it saves (``_others_to_save``)
         self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit, _on_hang)
         self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
@@ -470,6 +471,8 @@ class Checkpointer:
             self._events.emit("step", step=step)  # progress, for timelines and goodput
         due, preempted = self._decide(step, force)
         if not due:
+            if not self._staging_prepared:
+                self._prepare_staging(state)
             return None
         if not self._order_checked:
             self._order_checked = True
@@ -574,6 +577,28 @@ class Checkpointer:
 
     def _count_staging_wait(self, seconds: float) -> None:
         self.stats["staging_wait_s"] += seconds
+
+    def _prepare_staging(self, state: Any) -> None:
+        """At the first call of ``save`` that is not due (the loop's first step, or the first
+        after a restore), plan the layout and have the staging buffer made and touched in the
+        background (``Staging.prewarm``): the first save that is due then pays neither. Every
+        rank makes the same calls, so the plan's collectives match; a state that cannot be
+        saved (which the due save will say) is left alone here, every rank agreeing so."""
+        self._staging_prepared = True
+        try:
+            with gc_paused():
+                flat = flatten_state(state, self._coord.rank)
+            ok = 1
+        except Exception:  # noqa: BLE001 - the due save raises it, naming the key
+            ok = 0
+        if not self._coord.agree_min(ok):
+            return
+        try:
+            with gc_paused():
+                plan = self._layout_plan(flat)
+        except ResilientError:  # the same on every rank (from what every rank gathered)
+            return
+        self._staging.prewarm(plan.nbytes, self._staging.on_device(flat.tensors))
 
     def _decide(self, step: int, force: bool) -> tuple[bool, bool]:
         """(is this step saved, is the job being preempted), the same on every rank.
@@ -1090,6 +1115,7 @@ class Checkpointer:
             if rng is not None:
                 apply_rng(rng)
             self._restored_step = step
+            self._staging_prepared = False  # the restored state's layout, at the next save() not due
             self._reported_first_step = False
             self._order_checked = False  # a rollback's first save looks again
             self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),

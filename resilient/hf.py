@@ -28,7 +28,7 @@ plain Trainer's newest ``checkpoint-N`` when resilient has none yet.
 
 On SIGTERM or SIGUSR1 (a preemption, to any rank) the step just trained is saved at once,
 whatever ``save_steps`` says, committed and drained, and the process exits with status 0
-(``_SaveWhenPreempted``).
+(``_AtEveryStep``).
 
 A model with PEFT adapters (LoRA and the like) saves its trainable parameters alone, as
 the Trainer's checkpoints hold the adapter alone (``_saved_part``).
@@ -87,7 +87,7 @@ class ResilientTrainerMixin:
         self._resilient_options = dict(resilient_options or {})
         self._resilient: Checkpointer | None = None
         self._best_saved: list[int] = []  # steps that were the best when saved, oldest first
-        self.add_callback(_SaveWhenPreempted(self))
+        self.add_callback(_AtEveryStep(self))
         if self.args.push_to_hub and self.args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
             log.warning("resilient: hub_strategy=%r pushes checkpoint directories, which ResilientTrainer does "
                         "not write; the final model is pushed as usual", str(self.args.hub_strategy))
@@ -254,19 +254,29 @@ class ResilientTrainerMixin:
             self.checkpointer().restore({"model": _saved_part(self.model)}, step=step, strict=False)
 
 
-class _SaveWhenPreempted(TrainerCallback):
-    """Save the step just trained when the job is being preempted (SIGTERM or SIGUSR1 on any
-    rank; ``Checkpointer.preempted`` asks them all at the end of every step): that save is
-    committed, drained to the remote tier and ends the process with status 0 within the
-    grace. Without it the next save came on the Trainer's schedule (``save_steps``), after
-    the platform's SIGKILL: every step since the last save was lost."""
+class _AtEveryStep(TrainerCallback):
+    """What resilient does at the end of every step of the Trainer's loop, on every rank:
+
+    * at the first step (and the first after a resume), the layout is planned and the
+      staging buffer made in the background (``Checkpointer._prepare_staging``, which a loop
+      calling ``save()`` every step gets at its first call not due): the Trainer calls
+      ``save()`` only when a save is due, and its first save paid both in its stall;
+    * when the job is being preempted (SIGTERM or SIGUSR1 on any rank, agreed by
+      ``Checkpointer.preempted``), the step just trained is saved: committed, drained to the
+      remote tier, and the process exits with status 0 within the grace. Without it the
+      next save came on the Trainer's schedule (``save_steps``), after the platform's
+      SIGKILL: every step since the last save was lost."""
 
     def __init__(self, trainer: ResilientTrainerMixin) -> None:
         self.trainer = trainer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ckpt = self.trainer._resilient
-        if ckpt is not None and ckpt.preempted():
+        if ckpt is None:
+            return
+        if not ckpt._staging_prepared:
+            ckpt._prepare_staging(self.trainer._entries())
+        if ckpt.preempted():
             control.should_save = True
 
 

@@ -1,0 +1,52 @@
+"""The staging buffer is made and touched in the background at the first ``save()`` that is
+not due (after a restore, again), so the first due save's stall is a copy into memory
+already touched: the same buffer, and the same checkpoint as without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resilient import Checkpointer, UnsupportedStateError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(1 << 20, generator=g), "b": torch.randn(3, 5, generator=g)}
+
+
+def _prepared(ckpt: Checkpointer) -> torch.Tensor | None:
+    ckpt._staging._join_warming()  # the background thread's work, done
+    return ckpt._staging.buffer
+
+
+def test_the_first_save_not_due_prepares_the_buffer_the_first_due_save_fills(tmp_path):
+    state = _state(0)
+    with Checkpointer(str(tmp_path / "ckpt"), every=5) as ckpt:
+        assert ckpt.save(1, state) is None
+        buffer = _prepared(ckpt)
+        assert buffer is not None and buffer.numel() >= 4 * ((1 << 20) + 15)
+        address = buffer.data_ptr()
+        ckpt.save(5, state).result()
+        assert ckpt._staging.buffer.data_ptr() == address  # filled, not replaced
+    fresh = _state(1)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        assert ckpt.restore(fresh) == 5
+        assert all(torch.equal(fresh[k], state[k]) for k in state)
+        assert ckpt._staging.buffer is None
+        ckpt.save(6, fresh)  # every=1 by default: due; a restore's next call not due prepares
+    with Checkpointer(str(tmp_path / "ckpt"), every=100) as ckpt:
+        assert ckpt.restore(fresh) == 6
+        ckpt.save(7, fresh)
+        assert _prepared(ckpt) is not None
+
+
+def test_a_state_that_cannot_be_saved_is_left_to_the_due_save_to_refuse(tmp_path):
+    state = {"w": torch.ones(4), "hook": lambda: 0}
+    with Checkpointer(str(tmp_path / "ckpt"), every=5) as ckpt:
+        assert ckpt.save(1, state) is None  # not due: nothing said yet
+        assert _prepared(ckpt) is None
+        with pytest.raises(UnsupportedStateError, match="hook"):
+            ckpt.save(5, state)
