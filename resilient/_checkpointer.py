@@ -598,6 +598,9 @@ class Checkpointer:
                 plan = self._layout_plan(flat)
         except ResilientError:  # the same on every rank (from what every rank gathered)
             return
+        writing = self._inflight
+        if writing is not None and not writing._done.is_set():
+            return  # its writer reads the buffer still: a larger one would replace it under it
         self._staging.prewarm(plan.nbytes, self._staging.on_device(flat.tensors))
 
     def _decide(self, step: int, force: bool) -> tuple[bool, bool]:

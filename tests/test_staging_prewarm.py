@@ -50,3 +50,17 @@ def test_a_state_that_cannot_be_saved_is_left_to_the_due_save_to_refuse(tmp_path
         assert _prepared(ckpt) is None
         with pytest.raises(UnsupportedStateError, match="hook"):
             ckpt.save(5, state)
+
+
+def test_no_buffer_is_prepared_under_a_save_still_being_written(tmp_path):
+    """The buffer a save in flight is written from is never replaced by a larger one made
+    ahead: its file would hold the new buffer's bytes."""
+    from resilient._writer import SaveHandle
+
+    with Checkpointer(str(tmp_path / "ckpt"), every=100) as ckpt:
+        ckpt.save(1, _state(0), force=True).result()
+        ckpt._inflight = SaveHandle(2, on_settle=lambda handle: None)  # a save whose writer is not done
+        ckpt._staging_prepared = False
+        ckpt.save(3, {**_state(0), "more": torch.ones(1 << 20)})
+        assert ckpt._staging._warming is None and ckpt._staging.buffer.numel() < 8 << 20
+        ckpt._inflight._done.set()
