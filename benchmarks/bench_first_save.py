@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from benchmarks.common import rendered
+from benchmarks.common import rendered, reported
 
 _CHILD = r"""
 import json, sys, time, torch
@@ -84,10 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             samples[variant].append(one(variant, a))
             print(f"round {round_ + 1}: {variant}: {[round(s, 3) for s in samples[variant][-1]]}", flush=True)
     results = {"gb": a.gb, "every": a.every, "step_s": a.step_s, "rounds": a.rounds, "samples": samples}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
-    print(table(results))
+    reported(results, a.out, table)
 
 
 if __name__ == "__main__":

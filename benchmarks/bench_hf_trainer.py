@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import memcpy_seconds, rendered
+from benchmarks.common import memcpy_seconds, rendered, reported
 
 METHODS = ("Trainer", "ResilientTrainer")
 
@@ -130,10 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                    "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
-    print(table(results))
+    reported(results, a.out, table)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import rendered
+from benchmarks.common import rendered, reported
 
 
 def _free_port() -> int:
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         mp.spawn(_rank, args=(a.ranks, _free_port(), a, os.path.join(tmp, "ckpt"), out), nprocs=a.ranks)
         with open(out) as f:
             results = {"ranks": a.ranks, "steps": a.steps, "rounds": a.rounds, "kinds": json.load(f)}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
-    print(table(results))
+    reported(results, a.out, table)
 
 
 if __name__ == "__main__":

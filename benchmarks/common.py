@@ -252,3 +252,12 @@ def rendered(path: str | None, table: Callable[[Any], str]) -> bool:
     with open(path) as f:
         print(table(json.load(f)))
     return True
+
+
+def reported(results: Any, out: str | None, table: Callable[[Any], str]) -> None:
+    """The end of a run: ``results`` kept as JSON at ``out`` (when given; ``rendered``
+    prints its table again later) and its table printed."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(table(results))
