@@ -7,8 +7,9 @@ unless the next step is saved, committed and drained to the remote tier within t
 
 The handler only records the signal: the training loop is in the middle of a step, and a
 checkpoint needs every rank at the same step. ``Checkpointer.save`` then agrees with the
-other ranks (one small all-reduce per call) to save that step whatever ``every`` says,
-commits it, flushes it, and exits the process with status 0.
+other ranks (one small all-reduce per call, whose answer the next call reads: see
+``Checkpointer._preempted_by_any``) to save a step whatever ``every`` says, the same on
+every rank, commits it, flushes it, and exits the process with status 0.
 
 A signal whose default action the program had left in place (termination) still ends the
 process when no ``save`` comes to do it: a second one ends it at once, and the first one
