@@ -6,7 +6,7 @@ without (the buffer made and touched inside the stall, as before).
 Each sample is a fresh process (a new process's memory is what the first save touches): a
 state of ``--gb`` GB, ``save()`` called every step of ``--step-s`` seconds with
 ``every=--every``, the stall of the first due save and of the second. "ahead" is the
-Checkpointer as it is (``_prepare_staging`` at the first call not due); "inside" turns that
+Checkpointer as it is (``prepare`` at the first call not due); "inside" turns that
 off. Variants alternate by round. ``--out`` keeps the samples as JSON; ``--render`` prints a
 kept file's table again.
 """
@@ -29,7 +29,7 @@ import json, sys, time, torch
 from resilient import Checkpointer
 gb, every, step_s, root, variant = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
 if variant == "inside":
-    Checkpointer._prepare_staging = lambda self, state: None
+    Checkpointer.prepare = lambda self, state=None: None
 n = int(gb * 1e9) // 4 // 8
 state = {f"w{i}": torch.randn(n) for i in range(8)}
 stalls = []

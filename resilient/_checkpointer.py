@@ -335,7 +335,7 @@ class Checkpointer:
         self._last_saved_step: int | None = None  # of the last save issued here (``_decide``)
         self._skip_said: int | None = None  # the step whose repeated saves were last reported
         self._preempted_step: int | None = None  # saved here since a preemption signal
-        self._staging_prepared = False  # see _prepare_staging (again after each restore)
+        self._staging_prepared = False  # see prepare (again after each restore)
         self._saves_called = False  # save() was called, due or not: it saves (``_others_to_save``)
         self._watchdog = watchdog_from_env(self._coord.rank, self._events.emit, _on_hang)
         self._faults = faults_from_env(self._coord.rank, self._coord.world_size, str(self.root),
@@ -471,8 +471,7 @@ class Checkpointer:
             self._events.emit("step", step=step)  # progress, for timelines and goodput
         due, preempted = self._decide(step, force)
         if not due:
-            if not self._staging_prepared:
-                self._prepare_staging(state)
+            self.prepare(state)
             return None
         if not self._order_checked:
             self._order_checked = True
@@ -578,12 +577,18 @@ class Checkpointer:
     def _count_staging_wait(self, seconds: float) -> None:
         self.stats["staging_wait_s"] += seconds
 
-    def _prepare_staging(self, state: Any) -> None:
-        """At the first call of ``save`` that is not due (the loop's first step, or the first
-        after a restore), plan the layout and have the staging buffer made and touched in the
-        background (``Staging.prewarm``): the first save that is due then pays neither. Every
-        rank makes the same calls, so the plan's collectives match; a state that cannot be
-        saved (which the due save will say) is left alone here, every rank agreeing so."""
+    def prepare(self, state: Mapping[str, Any] | None = None) -> None:
+        """Plan the layout of ``state`` (the constructor's when None) and have the staging
+        buffer made and touched in the background (``Staging.prewarm``), so that the first
+        save pays neither in its stall; nothing once done, until the next restore. Collective:
+        every rank calls it at the same points. ``save()`` calls it at its first call that is
+        not due (a loop's first step, or the first after a restore); a loop that calls
+        ``save()`` only when a save is due (a Trainer's) calls it at its first step. A state
+        that cannot be saved is left to the save to refuse, every rank agreeing so."""
+        if self._staging_prepared:
+            return
+        self._check_open()
+        state = self._state(state, "prepare")
         self._staging_prepared = True
         try:
             with gc_paused():

@@ -258,7 +258,7 @@ class _AtEveryStep(TrainerCallback):
     """What resilient does at the end of every step of the Trainer's loop, on every rank:
 
     * at the first step (and the first after a resume), the layout is planned and the
-      staging buffer made in the background (``Checkpointer._prepare_staging``, which a loop
+      staging buffer made in the background (``Checkpointer.prepare``, which a loop
       calling ``save()`` every step gets at its first call not due): the Trainer calls
       ``save()`` only when a save is due, and its first save paid both in its stall;
     * when the job is being preempted (SIGTERM or SIGUSR1 on any rank, agreed by
@@ -274,8 +274,7 @@ class _AtEveryStep(TrainerCallback):
         ckpt = self.trainer._resilient
         if ckpt is None:
             return
-        if not ckpt._staging_prepared:
-            ckpt._prepare_staging(self.trainer._entries())
+        ckpt.prepare(self.trainer._entries())
         if ckpt.preempted():
             control.should_save = True
 

@@ -64,3 +64,17 @@ def test_no_buffer_is_prepared_under_a_save_still_being_written(tmp_path):
         ckpt.save(3, {**_state(0), "more": torch.ones(1 << 20)})
         assert ckpt._staging._warming is None and ckpt._staging.buffer.numel() < 8 << 20
         ckpt._inflight._done.set()
+
+
+def test_a_loop_that_saves_only_when_due_prepares_the_buffer_itself(tmp_path):
+    """``prepare(state)``: what a loop whose saves another library schedules calls at its
+    first step (the HF integration does), once; ``save()`` then fills that buffer."""
+    state = _state(0)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.prepare(state)
+        buffer = _prepared(ckpt)
+        assert buffer is not None
+        ckpt.prepare(state)  # done already: nothing made again
+        assert ckpt._staging._warming is None
+        ckpt.save(4, state, force=True).result()
+        assert ckpt._staging.buffer.data_ptr() == buffer.data_ptr()
