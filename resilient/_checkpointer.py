@@ -604,7 +604,7 @@ class Checkpointer:
         except ResilientError:  # the same on every rank (from what every rank gathered)
             return
         writing = self._inflight
-        if writing is not None and not writing._done.is_set():
+        if writing is not None and not writing.done():
             return  # its writer reads the buffer still: a larger one would replace it under it
         self._staging.prewarm(plan.nbytes, self._staging.on_device(flat.tensors))
 

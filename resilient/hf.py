@@ -269,12 +269,15 @@ class _AtEveryStep(TrainerCallback):
 
     def __init__(self, trainer: ResilientTrainerMixin) -> None:
         self.trainer = trainer
+        self._prepared: Checkpointer | None = None  # the run's, once prepared (``train`` makes one a run)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ckpt = self.trainer._resilient
         if ckpt is None:
             return
-        ckpt.prepare(self.trainer._entries())
+        if ckpt is not self._prepared:  # once a run: the entries of a PEFT model are a walk over its parameters
+            ckpt.prepare(self.trainer._entries())
+            self._prepared = ckpt
         if ckpt.preempted():
             control.should_save = True
 
