@@ -13,8 +13,9 @@ def flip_byte(path: str, offset: int, mask: int = 0x80) -> None:
 class TcpProxy:
     """A loopback TCP relay that can be cut: a network partition between one client and a
     server, with no root and no namespaces. ``cut()`` closes every connection and refuses
-    new ones, as a dropped link looks to both ends. ``hold()`` delays every answer (requests
-    still reach the server) until ``release()``: a client too slow to read its replies."""
+    new ones, as a dropped link looks to both ends; ``mend()`` listens again on the same
+    port. ``hold()`` delays every answer (requests still reach the server) until
+    ``release()``: a client too slow to read its replies."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         import socket
@@ -29,15 +30,15 @@ class TcpProxy:
         self._cut = False
         self._answers_flow = threading.Event()
         self._answers_flow.set()
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
 
-    def _accept(self) -> None:
+    def _accept(self, listener) -> None:
         import socket
         import threading
 
         while True:
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except OSError:
                 return
             try:
@@ -88,3 +89,13 @@ class TcpProxy:
                     s.close()
                 except OSError:
                     pass
+
+    def mend(self) -> None:
+        import socket
+        import threading
+
+        with self._lock:
+            self._listener = socket.create_server(("127.0.0.1", self.port))
+            self._open = []
+            self._cut = False
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
