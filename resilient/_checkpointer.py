@@ -236,6 +236,7 @@ class Checkpointer:
         _join_pending: Callable[[], bool] | None = None,
         _coordinator: Coordinator | None = None,
         _signals: bool = True,
+        _staging: Staging | None = None,
     ) -> None:
         if compress not in _CODECS:
             raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
@@ -327,7 +328,10 @@ class Checkpointer:
         self._events = EventLog(events or os.environ.get("RESILIENT_EVENT_LOG") or None, self._coord.rank, **extra)
         self._memory = _memory
         self._join_pending = _join_pending  # under @resilient.elastic: a process waits to join
-        self._staging = Staging()
+        # ``_staging``: a buffer lent by a caller that makes a Checkpointer per save (the
+        # Lightning plugin), so that saves share one buffer; the lender closes it
+        self._staging = _staging or Staging()
+        self._owns_staging = _staging is None
         self._plan: tuple[tuple, RankPlan] | None = None
         self._seq = 0
         self._reported_first_step = False
@@ -1169,7 +1173,8 @@ class Checkpointer:
             self._events.close()
             if not self._writer.stop(timeout=max(timeout, 1.0)):  # an idle writer needs a moment to join
                 log.warning("resilient: background writer still busy at close; abandoning it")
-            self._staging.close()
+            if self._owns_staging:
+                self._staging.close()
             self._read_pool.shutdown()
             if not self._tier.close(timeout):
                 log.warning("resilient: old checkpoints still being deleted at close; the next start finishes it")

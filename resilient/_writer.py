@@ -78,6 +78,11 @@ class SaveHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def settled(self, timeout: float | None = None) -> bool:
+        """Wait until committed or failed, without raising for a failure (a caller that
+        only needs the save's buffer back); whether it is."""
+        return self._done.wait(timeout)
+
     def result(self, timeout: float | None = None) -> None:
         """Block until committed; raise ``CommitError`` if it failed, ``TimeoutError`` if late."""
         if not self._done.wait(timeout):

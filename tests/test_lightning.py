@@ -91,6 +91,39 @@ def test_plugin_round_trip_corruption_and_hyper_parameters(tmp_path, caplog):
         io.load_checkpoint(path)
 
 
+def test_the_plugins_saves_share_two_buffers_and_each_keeps_its_own_bytes(tmp_path, monkeypatch):
+    """Lightning names a new path for each save; the plugin's saves share two staging
+    buffers instead of making (and touching, inside the stall) one each. A save never
+    reuses a buffer whose save is still being written from: each checkpoint holds the
+    values it was given, though the training overwrote them as soon as save returned."""
+    from resilient import _hostmem
+    from resilient.lightning import ResilientCheckpointIO
+
+    made = []
+    real = _hostmem.HostBuffer.__init__
+
+    def counted(self, nbytes, pin):
+        made.append(nbytes)
+        real(self, nbytes, pin)
+
+    monkeypatch.setattr(_hostmem.HostBuffer, "__init__", counted)
+    io = ResilientCheckpointIO()
+    weights = torch.zeros(8 << 20)  # 32 MB: its file is still being written when the next save comes
+    for step in range(1, 7):
+        weights.fill_(step)
+        # at each step a top-k file and last.ckpt, as ModelCheckpoint(save_last=True) saves
+        io.save_checkpoint({"global_step": step, "state_dict": {"w": weights}}, tmp_path / f"step={step}.ckpt")
+        io.save_checkpoint({"global_step": step, "state_dict": {"w": weights}}, tmp_path / "last.ckpt")
+        weights.fill_(-1)  # the next step's update, at once
+    for step in range(1, 7):
+        loaded = io.load_checkpoint(tmp_path / f"step={step}.ckpt")
+        assert loaded["global_step"] == step and torch.equal(loaded["state_dict"]["w"], torch.full_like(weights, step))
+    last = io.load_checkpoint(tmp_path / "last.ckpt")
+    assert last["global_step"] == 6 and torch.equal(last["state_dict"]["w"], torch.full_like(weights, 6))
+    assert len(made) == 2, f"{len(made)} buffers made for 12 saves"
+    io.teardown()
+
+
 def test_plugin_drains_to_an_object_store(tmp_path, s3_server):
     from resilient import Checkpointer
     from resilient.lightning import ResilientCheckpointIO
