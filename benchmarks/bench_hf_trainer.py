@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import memcpy_seconds, rendered, reported
+from benchmarks.common import in_rounds, memcpy_seconds, rendered, reported, stall_cell
 
 METHODS = ("Trainer", "ResilientTrainer")
 
@@ -96,14 +96,12 @@ def table(results: dict[str, Any]) -> str:
     for method in METHODS:
         runs = [r for r in results["runs"] if r["method"] == method]
         first = [r["save_s"][0] for r in runs]
-        later = [s for r in runs for s in r["save_s"][1:]]
+        later = stall_cell([s for r in runs for s in r["save_s"][1:]], memcpy)
         committed = [s for r in runs for s in r["committed_s"]]
-        stall = statistics.median(later)
         durable = f"{statistics.median(committed):.2f} s" if committed else "not fsync'd"
         firsts = ", ".join(f"{s:.2f}" for s in first)
         trains = ", ".join(f"{r['train_s']:.1f}" for r in runs)
-        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} s | {stall:.3f} s ({stall / memcpy:.1f}x "
-                    f"memcpy; {min(later):.3f}-{max(later):.3f}) | {durable} | {trains} s |")
+        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} s | {later} | {durable} | {trains} s |")
     return "\n".join(rows) + f"\n\nmemcpy of the saved bytes: {memcpy:.3f} s"
 
 
@@ -120,12 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     root = tempfile.mkdtemp(prefix="bench-hf-", dir=a.root)
     try:
-        runs = []
-        for round_ in range(a.rounds):
-            for method in (METHODS if round_ % 2 == 0 else METHODS[::-1]):
-                runs.append(one_run(method, a.layers, a.saves, root))
-                print(f"round {round_ + 1}: {method}: saves {[round(s, 3) for s in runs[-1]['save_s']]} s",
-                      flush=True)
+        runs = in_rounds(METHODS, a.rounds, lambda method: one_run(method, a.layers, a.saves, root),
+                         lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s")
         results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
                    "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
     finally:

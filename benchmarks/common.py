@@ -11,7 +11,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import psutil
 import torch
@@ -261,3 +261,22 @@ def reported(results: Any, out: str | None, table: Callable[[Any], str]) -> None
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     print(table(results))
+
+
+def in_rounds(methods: Sequence[str], rounds: int, run: Callable[[str], dict[str, Any]],
+              said: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """Every method run once a round, the order rotated by round (so that none always goes
+    first on a machine that warms up or slows down); ``said`` prints each run's line."""
+    runs = []
+    for round_ in range(rounds):
+        shift = round_ % len(methods)
+        for method in (*methods[shift:], *methods[:shift]):
+            runs.append(run(method))
+            print(f"round {round_ + 1}: {method}: {said(runs[-1])}", flush=True)
+    return runs
+
+
+def stall_cell(samples: Sequence[float], memcpy_s: float) -> str:
+    """A table cell: the median stall, as a multiple of a memcpy, and the range."""
+    stall = statistics.median(samples)
+    return f"{stall:.3f} s ({stall / memcpy_s:.1f}x memcpy; {min(samples):.3f}-{max(samples):.3f})"

@@ -424,7 +424,7 @@ class Checkpointer:
                 claim_root(self._tier.root, job_id(self._coord.session), self._coord.session)
                 claimed = True
                 live = live_sessions(self._tier.root)  # this process's saves in flight are not leftovers
-                for path in self._tier.clean_leftovers(keep_sessions=live):
+                for path in self._tier.clean_leftovers(keep_sessions=live, writers=self._coord.sharing):
                     log.info("resilient: removed what an earlier run left (an uncommitted save, a deletion, a "
                              "recycled file, a download stopped part-way): %s", path)
             except StorageError as exc:

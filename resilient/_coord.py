@@ -41,6 +41,9 @@ class Coordinator:
     world_size: int = 1
     leader: int = 0
     leaders: list[int] = [0]
+    #: the ranks whose leader is this rank's, all of them writing to its storage (known to a
+    #: leader that needs it: whose files to keep at its root; empty where not known)
+    sharing: list[int] = [0]
     session: str = ""
 
     @property
@@ -128,11 +131,12 @@ class StoreCoordinator(Coordinator):
     KEYS_PER_REQUEST = 128
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, leader: int, leaders: list[int],
-                 session: str) -> None:
+                 session: str, sharing: list[int] | None = None) -> None:
         self._store = store
         self._parts: dict[str, int] = {}  # keys this rank published in parts: how many
         self.rank, self.world_size, self.leader, self.leaders, self.session = (
             rank, world_size, leader, leaders, session)
+        self.sharing = list(sharing or [])
 
     def publish(self, key: str, value: bytes) -> None:
         if len(value) <= self.PART_BYTES:
@@ -199,7 +203,8 @@ class GroupCoordinator(StoreCoordinator):
         dist.all_gather_object(everyone, leader, group=group)
         super().__init__(dist.PrefixStore(f"resilient/{session}/", _own_connection(_default_store())),
                          rank=rank, world_size=world_size, leader=leader,
-                         leaders=sorted({int(x) for x in everyone if x is not None}), session=session)
+                         leaders=sorted({int(x) for x in everyone if x is not None}), session=session,
+                         sharing=[r for r, x in enumerate(everyone) if x == leader])
 
     def _reduce(self, value: int, op: dist.ReduceOp) -> int:
         return self._reduce_many([value], op)[0]

@@ -124,6 +124,79 @@ def test_the_plugins_saves_share_two_buffers_and_each_keeps_its_own_bytes(tmp_pa
     io.teardown()
 
 
+def test_removed_checkpoints_are_deleted_off_the_step_and_leftovers_swept(tmp_path):
+    """Lightning removes checkpoints (``save_top_k``) inside the training step: the path is
+    gone when ``remove_checkpoint`` returns and its files are deleted by a thread; what a
+    process that died before deleting left behind is swept at the next save there."""
+    from resilient.lightning import ResilientCheckpointIO
+
+    dead = tmp_path / ".epoch=0.ckpt.deleted-0badc0de"  # renamed, then its process was killed
+    (dead / "step-0000000001").mkdir(parents=True)
+    (dead / "step-0000000001" / "rank-00000.data").write_bytes(b"x" * 4096)
+    io = ResilientCheckpointIO()
+    io.save_checkpoint(_checkpoint(1), tmp_path / "epoch=1.ckpt")
+    io.save_checkpoint(_checkpoint(2), tmp_path / "epoch=2.ckpt")
+    io.remove_checkpoint(tmp_path / "epoch=1.ckpt")
+    assert not (tmp_path / "epoch=1.ckpt").exists()
+    io.teardown()  # the deletions asked for are finished
+    assert sorted(os.listdir(tmp_path)) == ["epoch=2.ckpt"]
+    assert io.load_checkpoint(tmp_path / "epoch=2.ckpt")["epoch"] == 2
+
+
+def test_last_ckpt_as_a_link_to_a_save_still_being_written(tmp_path):
+    """``ModelCheckpoint(save_last="link")`` links ``last.ckpt`` to the file just saved,
+    which the plugin is still writing: a load through the link waits for that save (it
+    found no committed checkpoint before), removing the link leaves its target alone, and
+    a Trainer resumes from ``ckpt_path="last"``."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from resilient.lightning import ResilientCheckpointIO
+
+    io = ResilientCheckpointIO()
+    weights = torch.arange(8 << 20, dtype=torch.float32)  # 32 MB: still being written below
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": weights}}, tmp_path / "epoch=0.ckpt")
+    os.symlink("epoch=0.ckpt", tmp_path / "last.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 4 and torch.equal(loaded["state_dict"]["w"], weights)
+    io.remove_checkpoint(tmp_path / "last.ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0.ckpt"]
+    io.teardown()
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def trainer(steps: int) -> pl.Trainer:
+        return pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, plugins=[ResilientCheckpointIO()],
+                          callbacks=[ModelCheckpoint(dirpath=tmp_path / "run", every_n_train_steps=2, save_top_k=1,
+                                                     save_last="link")])
+
+    first = Tiny()
+    trainer(6).fit(first, loader)
+    assert os.readlink(tmp_path / "run" / "last.ckpt") == "epoch=1-step=6.ckpt"
+    started_at = []
+
+    class Spy(pl.Callback):
+        def on_train_start(self, trainer, module):  # after the restore, before any step
+            started_at.append(trainer.global_step)
+
+    resumed = trainer(8)
+    resumed.callbacks.append(Spy())
+    resumed.fit(Tiny(), loader, ckpt_path="last")
+    assert started_at == [6] and resumed.global_step == 8
+
+
 def test_plugin_drains_to_an_object_store(tmp_path, s3_server):
     from resilient import Checkpointer
     from resilient.lightning import ResilientCheckpointIO

@@ -13,6 +13,7 @@ from resilient import Checkpointer
 from resilient.ckpt import main as ckpt_main
 
 from .launch import run_ranks
+from .waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,15 +82,29 @@ def test_recycling_can_be_turned_off(root, monkeypatch):
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-0000000003"]
 
 
-def test_the_next_run_removes_the_files_kept_by_the_last(root):
+def test_the_next_run_overwrites_its_ranks_files_and_removes_the_others(root):
+    """A root opened again (a restarted job, the Lightning plugin's ``last.ckpt``): the
+    files kept for the ranks that write now are overwritten in place by their next save, as
+    within a run; those of ranks that no longer write here (a larger world before) are
+    removed, off the save's stall, by the trash's thread."""
     with Checkpointer(root, keep=1) as ckpt:
         for step in (1, 2):
             _save(ckpt, step, step - 1 if step > 1 else None)
-    assert os.path.exists(_recycled(root))  # ranks may differ in the next run: its first save clears them
+    held = open(_recycled(root), "rb")  # its inode number cannot go to a new file while open
+    kept = os.fstat(held.fileno()).st_ino
+    other = os.path.join(root, ".recycle", "rank-00007.data")  # left by a run of 8 ranks
+    with open(other, "wb") as f:
+        f.write(b"x" * 4096)
+    abandoned = os.path.join(root, ".pending", "0123456789ab-00000001")  # a save killed mid-write
+    os.makedirs(abandoned)
     with Checkpointer(root, keep=None) as ckpt:
-        _save(ckpt, 3, None)
-    assert not os.path.exists(_recycled(root))
-    assert os.stat(_data_file(root, 3)).st_size > 0
+        _save(ckpt, 3, None, recycled=False)
+        assert os.stat(_data_file(root, 3)).st_ino == kept
+        assert not os.path.exists(other) and not os.path.exists(abandoned)
+        wait_until(lambda: not os.listdir(os.path.join(root, ".trash")), timeout=10, what="the trash emptied")
+    held.close()
+    assert os.listdir(os.path.join(root, ".recycle")) == []
+    assert ckpt_main(["verify", root, "--step", "3"]) == 0
 
 
 def test_two_ranks_each_overwrite_their_own_files(tmp_path):

@@ -442,19 +442,24 @@ def _sized_state(step: int) -> dict:
     return {"w": torch.randn(rows, 1000, generator=g), "b": torch.randn(333, generator=g), "meta": {"step": step}}
 
 
+def _await_set_aside(root: str, name: str) -> None:
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.path.join(root, ".recycle", name)):
+        assert time.monotonic() < deadline, f"{name} never reached .recycle"
+        time.sleep(0.02)
+
+
 def recycled_saves(a: dict) -> None:
     """Save steps 1-4 with ``keep=1``, each after the last one's retention; print the inode of
-    this rank's data file at every step, then restore step 4 and check it exactly."""
+    this rank's data file at every step, then restore step 4 and check it exactly. Then, as
+    a restarted job, save step 5 into each rank's file kept from step 3."""
     rank, world = init()
     name = f"rank-{rank:05d}.data"
     inodes = {}
     with Checkpointer(a["root"], keep=1, chunk_bytes=1 << 20) as ckpt:
         for step in (1, 2, 3, 4):
             if step > 2:  # the step before last was deleted: wait for its file to be set aside
-                deadline = time.monotonic() + 20
-                while not os.path.exists(os.path.join(a["root"], ".recycle", name)):
-                    assert time.monotonic() < deadline, f"{name} never reached .recycle"
-                    time.sleep(0.02)
+                _await_set_aside(a["root"], name)
             ckpt.save(step, _sized_state(step), force=True)
             ckpt.wait()
             inodes[step] = os.stat(os.path.join(a["root"], step_dir_name(step), name)).st_ino
@@ -466,6 +471,15 @@ def recycled_saves(a: dict) -> None:
         assert ckpt.restore(target) == 4
     assert torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"]), "restore differs"
     assert target["meta"] == {"step": 4}
+    _await_set_aside(a["root"], name)  # step 3's, after step 4
+    # the job restarted on the same root: each rank's kept file is its next save's (held open
+    # here, so that a new file could not get its inode number)
+    with open(os.path.join(a["root"], ".recycle", name), "rb") as held:
+        with Checkpointer(a["root"], keep=None, chunk_bytes=1 << 20) as ckpt:
+            ckpt.save(5, _sized_state(3), force=True)
+            ckpt.wait()
+        inodes[5] = os.stat(os.path.join(a["root"], step_dir_name(5), name)).st_ino
+        assert inodes[5] == os.fstat(held.fileno()).st_ino, "the restarted run did not overwrite its kept file"
     print("INODES " + json.dumps(inodes), flush=True)
 
 
