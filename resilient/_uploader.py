@@ -224,12 +224,13 @@ class Uploader:
                                        f"{self._queue or 'being listed'} will not be uploaded by this process")
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, timeout: float | None = 5) -> None:
+        """Stop after the file in hand; ``wait``: join the thread (at most ``timeout`` s)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if wait:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
 
     # -- the thread ---------------------------------------------------------------------------
     def _retrying(self, what: str, fn: Callable[[], object], fatal: tuple[type[Exception], ...] = (),

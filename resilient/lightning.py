@@ -34,7 +34,7 @@ import shutil
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -44,7 +44,8 @@ from ._checkpointer import Checkpointer
 from ._coord import SoloCoordinator
 from ._errors import CheckpointCorruptError
 from ._snapshot import Staging
-from ._storage import LocalStorage
+from ._storage import LocalStorage, Storage, open_storage
+from ._uploader import Uploader
 from ._kinds import is_plain_leaf
 
 __all__ = ["ResilientCheckpointIO"]
@@ -157,6 +158,10 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             ckpt.abandon(wait=ckpt.commit_timeout)
         if os.path.isdir(path):
             self._deleter.delete(path)
+        if self.remote:  # its copy on the object store goes too, as Lightning's own plugin deletes a remote path
+            name = os.path.basename(path)
+            self._deleter.delete_remote(open_storage(self.remote, self.storage_options), name,
+                                        f"{self.remote}/{name}", ckpt._uploader if ckpt is not None else None)
 
     def teardown(self) -> None:
         """Commit (and drain to ``remote``) every save still in flight, finish the
@@ -233,7 +238,8 @@ class _SharedBuffers:
 
 
 class _Deleter:
-    """Deletes the checkpoints Lightning removes on a thread of its own.
+    """Deletes the checkpoints Lightning removes, and their copies on the remote tier, on a
+    thread of its own.
 
     Why: Lightning removes a checkpoint (``save_top_k``) inside the training step, and
     deleting a 1 GB checkpoint's files took 0.77-1.0 s here. The directory is renamed first
@@ -253,7 +259,17 @@ class _Deleter:
         parent, name = os.path.split(path)
         gone = os.path.join(parent, f".{name}{self._MARK}{uuid.uuid4().hex[:8]}")
         os.rename(path, gone)
-        self._submit(gone)
+        self._submit(path, lambda: shutil.rmtree(gone, onerror=_unless_vanished))
+
+    def delete_remote(self, storage: Storage, name: str, where: str, uploading: Uploader | None) -> None:
+        """Delete ``name`` on the remote tier once ``uploading`` (the removed save's uploader,
+        told to stop) has stopped: nothing of it may land there after the deletion."""
+        def delete() -> None:
+            if uploading is not None:
+                uploading.close(timeout=None)
+            storage.delete(name)
+
+        self._submit(where, delete)
 
     def sweep(self, directory: str) -> None:
         """Delete what an earlier process renamed here and did not delete (once a directory)."""
@@ -262,23 +278,28 @@ class _Deleter:
         self._swept.add(directory)
         for name in os.listdir(directory) if os.path.isdir(directory) else []:
             if name.startswith(".") and self._MARK in name:
-                self._submit(os.path.join(directory, name))
+                gone = os.path.join(directory, name)
+                self._submit(gone, lambda gone=gone: shutil.rmtree(gone, onerror=_unless_vanished))
 
-    def _submit(self, path: str) -> None:
+    def _submit(self, what: str, delete: Callable[[], None]) -> None:
+        def logged() -> None:
+            try:
+                delete()
+            except Exception as exc:  # noqa: BLE001 - a deletion that fails loses nothing; say so
+                log.warning("resilient: could not delete the removed checkpoint %s: %s: %s",
+                            what, type(exc).__name__, exc)
+
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-delete",
                                                 initializer=yield_to_training)
             self._asked = [f for f in self._asked if not f.done()]
-            self._asked.append(self._pool.submit(shutil.rmtree, path, onerror=_unless_vanished))
+            self._asked.append(self._pool.submit(logged))
 
     def finish(self) -> None:
         with self._lock:
             asked, self._asked = self._asked, []
         wait(asked)
-        for future in asked:
-            if future.exception() is not None:
-                log.warning("resilient: could not delete a removed checkpoint: %s", future.exception())
 
 
 def _move(value: Any, device: torch.device) -> Any:

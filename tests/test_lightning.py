@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import fsspec
 import numpy as np
 import pytest
 import torch
@@ -203,11 +204,17 @@ def test_plugin_drains_to_an_object_store(tmp_path, s3_server):
 
     remote = f"s3://{s3_server['bucket']}/lightning-{os.getpid()}"
     io = ResilientCheckpointIO(remote=remote, storage_options=s3_server["options"])
+    io.save_checkpoint(_checkpoint(1), tmp_path / "epoch=1.ckpt")
+    io.save_checkpoint(_checkpoint(2), tmp_path / "epoch=2.ckpt")
     io.save_checkpoint(_checkpoint(3), tmp_path / "last.ckpt")
-    io.teardown()  # end of fit: every save committed and drained
+    io.remove_checkpoint(tmp_path / "epoch=1.ckpt")  # top-k: on the object store too, as with Lightning's own
+    io.teardown()  # end of fit: every save committed and drained, every removal done
     with Checkpointer(str(tmp_path / "from-remote"), remote=f"{remote}/last.ckpt",
                       storage_options=s3_server["options"]) as ckpt:
         assert ckpt.latest() == 1
+    fs = fsspec.filesystem("s3", **s3_server["options"])
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(remote.removeprefix("s3://"))) == ["epoch=2.ckpt", "last.ckpt"]
 
 
 def test_the_plugin_serves_a_trainer_of_the_lightning_package_too(tmp_path):
