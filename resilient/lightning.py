@@ -33,6 +33,7 @@ import os
 import shutil
 import threading
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Mapping
 
@@ -70,6 +71,12 @@ def _storable(value: Any, path: str, replaced: list[str]) -> Any:
     return repr(value)
 
 
+def _lightning_packages() -> list[str]:
+    """The Lightning packages installed: ``pytorch_lightning`` and ``lightning.pytorch``."""
+    return [package for package in ("pytorch_lightning", "lightning.pytorch")
+            if importlib.util.find_spec(package.split(".")[0]) is not None]
+
+
 def _checkpoint_io_bases() -> tuple[type, ...]:
     """Every installed Lightning's ``CheckpointIO``.
 
@@ -77,9 +84,7 @@ def _checkpoint_io_bases() -> tuple[type, ...]:
     each with a class of its own, and a Trainer refuses a plugin not derived from its own
     ("Found invalid type for plugin"). Derived from both, one class serves either Trainer,
     whichever the program imports and in whatever order."""
-    bases = [importlib.import_module(f"{package}.plugins.io").CheckpointIO
-             for package in ("pytorch_lightning", "lightning.pytorch")
-             if importlib.util.find_spec(package) is not None]
+    bases = [importlib.import_module(f"{package}.plugins.io").CheckpointIO for package in _lightning_packages()]
     if not bases:
         raise ImportError("resilient.lightning needs Lightning: pip install 'resilient[lightning]' "
                           "(pytorch-lightning), or lightning")
@@ -104,6 +109,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self._open: dict[str, Checkpointer] = {}  # path -> checkpointer with a save in flight
         self._buffers = _SharedBuffers()
         self._deleter = _Deleter()
+        _LIVE.add(self)
 
     # -- CheckpointIO --------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -143,7 +149,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         # every chunk read is CRC-checked; numpy's arrays, bytes and sets come back as such, as
         # torch.load gives them
         state, _ = catalog.read_state(catalog.manifest(step), step, kinds=True)
-        if isinstance(map_location, (str, torch.device)):
+        if isinstance(map_location, (str, torch.device, int)):  # a callable or a mapping: as saved, on the CPU
             state = _move(state, torch.device(map_location))
         return state
 
@@ -186,6 +192,40 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             saved = ckpt._inflight is None or ckpt._inflight.done()
             if saved and (ckpt._uploader is None or not ckpt._uploader.pending()):
                 self._finish(path)
+
+
+#: every plugin in this process, for ``load_from_checkpoint`` (``_teach_load_from_checkpoint``)
+_LIVE: "weakref.WeakSet[ResilientCheckpointIO]" = weakref.WeakSet()
+
+
+def _teach_load_from_checkpoint() -> None:
+    """Let ``Model.load_from_checkpoint(path)`` read the plugin's checkpoints.
+
+    Why: that is how a Lightning user loads a trained module (``best_model_path`` after
+    ``fit``, for inference), and it does not go through the Trainer's ``CheckpointIO``:
+    Lightning's ``core.saving`` opens the path as a file for ``torch.load``, and the
+    plugin's checkpoints are directories (``IsADirectoryError``). Its loader is wrapped in
+    each installed Lightning package, once: a local directory is read as the plugin reads
+    it (checksummed, never unpickled); anything else goes to Lightning's loader as before."""
+    for package in _lightning_packages():
+        saving = importlib.import_module(f"{package}.core.saving")
+        lightnings = getattr(saving, "pl_load", None)
+        if lightnings is None or getattr(lightnings, "reads_resilient", False):
+            continue
+
+        def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None,
+                    _lightnings: Callable[..., Any] = lightnings) -> Any:
+            if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
+                for plugin in list(_LIVE):  # a save of that path still in flight is waited for
+                    plugin._finish(_key(os.path.abspath(path_or_url)))
+                return ResilientCheckpointIO().load_checkpoint(path_or_url, map_location)
+            return _lightnings(path_or_url, map_location=map_location, weights_only=weights_only)
+
+        pl_load.reads_resilient = True  # type: ignore[attr-defined]
+        saving.pl_load = pl_load
+
+
+_teach_load_from_checkpoint()
 
 
 def _key(path: str) -> str:

@@ -148,7 +148,8 @@ def test_last_ckpt_as_a_link_to_a_save_still_being_written(tmp_path):
     """``ModelCheckpoint(save_last="link")`` links ``last.ckpt`` to the file just saved,
     which the plugin is still writing: a load through the link waits for that save (it
     found no committed checkpoint before), removing the link leaves its target alone, and
-    a Trainer resumes from ``ckpt_path="last"``."""
+    a Trainer resumes from ``ckpt_path="last"``. ``Model.load_from_checkpoint`` reads the
+    plugin's checkpoints, a save still in flight included."""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     from resilient.lightning import ResilientCheckpointIO
@@ -186,6 +187,15 @@ def test_last_ckpt_as_a_link_to_a_save_still_being_written(tmp_path):
     first = Tiny()
     trainer(6).fit(first, loader)
     assert os.readlink(tmp_path / "run" / "last.ckpt") == "epoch=1-step=6.ckpt"
+    # a trained module loaded for inference, as Lightning users do: not through the plugin,
+    # through Lightning's loader (which opened the directory as a file before)
+    loaded = Tiny.load_from_checkpoint(tmp_path / "run" / "last.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), first.state_dict().values()))
+    io = ResilientCheckpointIO()
+    io.save_checkpoint({"state_dict": {"net.weight": torch.ones(1, 4), "net.bias": torch.zeros(1)},
+                        "pytorch-lightning_version": pl.__version__}, tmp_path / "now.ckpt")
+    assert torch.equal(Tiny.load_from_checkpoint(tmp_path / "now.ckpt").net.weight, torch.ones(1, 4))  # in flight
+    io.teardown()
     started_at = []
 
     class Spy(pl.Callback):
@@ -250,6 +260,7 @@ def test_the_plugin_serves_a_trainer_of_the_lightning_package_too(tmp_path):
     trainer(2).fit(first, loader)
     assert os.path.isdir(tmp_path / "last.ckpt")  # a resilient root, not a pickle
     saved = {k: v.clone() for k, v in first.state_dict().items()}
+    assert all(torch.equal(v, saved[k]) for k, v in Tiny.load_from_checkpoint(tmp_path / "last.ckpt").state_dict().items())
     second, restored = Tiny(), {}
 
     class Spy(L.Callback):
