@@ -14,7 +14,8 @@ checkpoint, so everything Lightning does with paths keeps working: top-k deletio
 * checkpoints Lightning removes (``save_top_k``) are deleted off the training step;
 * a crash mid-write leaves the previous checkpoint at that path intact, and a damaged file is
   detected by checksum on load instead of unpickling garbage;
-* loading never runs code from the file (no pickle), whatever ``weights_only`` says;
+* loading never runs code from the file (no pickle), whatever ``weights_only`` says, and
+  ``Model.load_from_checkpoint(path)`` reads these checkpoints too (``_teach_load_from_checkpoint``);
 * ``remote=`` drains each checkpoint to an object store as well.
 
 Lightning calls the plugin from global rank 0 only (for DDP), so each save is a
