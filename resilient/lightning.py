@@ -46,7 +46,7 @@ from ._checkpointer import Checkpointer
 from ._coord import SoloCoordinator
 from ._errors import CheckpointCorruptError
 from ._snapshot import Staging
-from ._storage import LocalStorage, Storage, open_storage
+from ._storage import LocalStorage, Storage, is_remote, open_storage
 from ._uploader import Uploader
 from ._kinds import is_plain_leaf
 
@@ -114,7 +114,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     # -- CheckpointIO --------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        path = os.path.abspath(os.fspath(path))
+        path = _local(path, "save")
         if os.path.isfile(path) or os.path.islink(path):
             os.remove(path)  # a torch.save file, or a link (``save_last="link"``): replaced
         path = _key(path)
@@ -126,7 +126,8 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         if replaced:
             log.warning("resilient: stored as text (cannot be saved without pickle): %s", ", ".join(replaced[:10]))
         slot = self._buffers.free_slot()
-        ckpt = Checkpointer(path, keep=1, compress=self.compress, rng=False,
+        # one checkpoint a path on each tier (``last.ckpt`` is saved again and again)
+        ckpt = Checkpointer(path, keep=1, keep_remote=1, compress=self.compress, rng=False,
                             remote=f"{self.remote}/{os.path.basename(path)}" if self.remote else None,
                             storage_options=self.storage_options, _coordinator=SoloCoordinator(),
                             _signals=False,  # Lightning answers SIGTERM itself (SIGTERMException)
@@ -139,14 +140,24 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint as ``torch.load`` would return it (tensors on CPU, or moved by
         ``map_location`` when it is a device); never unpickles, so ``weights_only`` holds."""
-        path = os.path.abspath(os.fspath(path))
+        path = _local(path, "load")
         self._finish(_key(path))  # through a link (``save_last="link"``): its target's save
-        if not os.path.isdir(path):
+        if os.path.isdir(path):
+            where, storage = path, LocalStorage(path)
+        elif self.remote:  # a new machine, its disk empty: the copy on the object store
+            where = f"{self.remote}/{os.path.basename(path)}"
+            storage = open_storage(where, self.storage_options)
+        else:
             raise FileNotFoundError(f"{path} is not a resilient checkpoint (no such directory)")
-        catalog = Catalog(LocalStorage(path))
-        step = catalog.newest_consistent()
-        if step is None:
+        catalog = Catalog(storage)
+        try:
+            step = catalog.newest_consistent()
+        except FileNotFoundError:  # nothing at all under that name on the remote tier
+            step = None
+        if step is None and where == path:
             raise CheckpointCorruptError(f"{path} holds no committed checkpoint")
+        if step is None:
+            raise FileNotFoundError(f"{path} does not exist here, and {where} holds no committed checkpoint")
         # every chunk read is CRC-checked; numpy's arrays, bytes and sets come back as such, as
         # torch.load gives them
         state, _ = catalog.read_state(catalog.manifest(step), step, kinds=True)
@@ -155,7 +166,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
-        path = os.path.abspath(os.fspath(path))
+        path = _local(path, "remove")
         if os.path.islink(path) or os.path.isfile(path):
             os.remove(path)  # a link: the link alone, its target's save goes on
             return
@@ -227,6 +238,19 @@ def _teach_load_from_checkpoint() -> None:
 
 
 _teach_load_from_checkpoint()
+
+
+def _local(path: Any, action: str) -> str:
+    """``path`` made absolute; a URL refused, naming it. Why: the plugin writes to a local
+    directory and drains it to the object store, and ``os.path`` would take
+    ``s3://bucket/run/last.ckpt`` for a relative path (``./s3:/bucket/...``): the
+    checkpoints would land on the local disk under that odd name, the bucket empty."""
+    path = os.fspath(path)
+    if is_remote(path):
+        raise ValueError(f"cannot {action} {path}: ResilientCheckpointIO writes to a local directory and drains it "
+                         "to an object store; use ModelCheckpoint(dirpath=<a local directory>) and "
+                         f"ResilientCheckpointIO(remote={path.rsplit('/', 1)[0]!r})")
+    return os.path.abspath(path)
 
 
 def _key(path: str) -> str:

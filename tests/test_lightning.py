@@ -215,16 +215,27 @@ def test_plugin_drains_to_an_object_store(tmp_path, s3_server):
     remote = f"s3://{s3_server['bucket']}/lightning-{os.getpid()}"
     io = ResilientCheckpointIO(remote=remote, storage_options=s3_server["options"])
     io.save_checkpoint(_checkpoint(1), tmp_path / "epoch=1.ckpt")
+    io.save_checkpoint(_checkpoint(1), tmp_path / "last.ckpt")
     io.save_checkpoint(_checkpoint(2), tmp_path / "epoch=2.ckpt")
-    io.save_checkpoint(_checkpoint(3), tmp_path / "last.ckpt")
+    io.save_checkpoint(_checkpoint(2), tmp_path / "last.ckpt")  # saved again: one checkpoint there, not two
     io.remove_checkpoint(tmp_path / "epoch=1.ckpt")  # top-k: on the object store too, as with Lightning's own
     io.teardown()  # end of fit: every save committed and drained, every removal done
-    with Checkpointer(str(tmp_path / "from-remote"), remote=f"{remote}/last.ckpt",
-                      storage_options=s3_server["options"]) as ckpt:
-        assert ckpt.latest() == 1
     fs = fsspec.filesystem("s3", **s3_server["options"])
     fs.invalidate_cache()
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(remote.removeprefix("s3://"))) == ["epoch=2.ckpt", "last.ckpt"]
+    listed = sorted(p.rsplit("/", 1)[1] for p in fs.ls(remote.removeprefix("s3://")))
+    assert listed == ["epoch=2.ckpt", "last.ckpt"]
+    steps = [p.rsplit("/", 1)[1] for p in fs.ls(f"{remote.removeprefix('s3://')}/last.ckpt")]
+    assert [n for n in steps if n.startswith("step-")] == ["step-0000000002"]
+    # a new machine, its checkpoint directory empty: ckpt_path names the file, read from the bucket
+    fresh = ResilientCheckpointIO(remote=remote, storage_options=s3_server["options"])
+    loaded = fresh.load_checkpoint(tmp_path / "elsewhere" / "last.ckpt")
+    assert loaded["epoch"] == 2 and torch.equal(loaded["state_dict"]["weight"], _checkpoint(2)["state_dict"]["weight"])
+    with pytest.raises(FileNotFoundError, match=r"epoch=9.ckpt does not exist here, and s3://.*/epoch=9.ckpt holds no"):
+        fresh.load_checkpoint(tmp_path / "elsewhere" / "epoch=9.ckpt")
+    # a URL for a path: refused, naming it and what to pass instead (nothing written to ./s3:/)
+    with pytest.raises(ValueError, match=r"cannot save s3://b/run/last.ckpt: .*remote='s3://b/run'"):
+        io.save_checkpoint(_checkpoint(3), "s3://b/run/last.ckpt")
+    assert not os.path.exists("s3:")
 
 
 def test_the_plugin_serves_a_trainer_of_the_lightning_package_too(tmp_path):
