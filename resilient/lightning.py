@@ -97,7 +97,9 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     Args:
         remote: URL prefix of an object store (``s3://bucket/run``); each checkpoint path
-            is drained to ``<remote>/<file name>``.
+            is drained to ``<remote>/<file name>`` (its newest save alone is kept there, and
+            a checkpoint Lightning removes goes there too), and a path this machine lacks
+            is loaded from there (a new node resuming with ``ckpt_path=<dirpath>/last.ckpt``).
         storage_options: credentials and options for ``remote`` (never written anywhere).
         compress: ``"zstd"`` or None, as for ``Checkpointer``.
     """
