@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL every rank after this step (a crash)")
     p.add_argument("--term-at", type=int, default=None,
                    help="SIGTERM rank 0 after this step (preemption: it or the next is saved, then the run exits)")
+    p.add_argument("--remote", default=None,
+                   help="drain checkpoints to this object store URL (or directory) too; a run whose --dir is "
+                        "empty (a new node) resumes from there")
     p.add_argument("--out", default=None, help="torch.save the final weights here")
     p.add_argument("--plain", action="store_true", help="the plain Trainer (its own checkpoints), for comparison")
     a = p.parse_args(argv)
@@ -73,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     kind = Trainer if a.plain else ResilientTrainer
-    trainer = kind(model=model, args=args, train_dataset=TokenData(), callbacks=[Faults(a.kill_at, a.term_at)])
+    extra = {} if a.plain else {"resilient_remote": a.remote}
+    trainer = kind(model=model, args=args, train_dataset=TokenData(), callbacks=[Faults(a.kill_at, a.term_at)],
+                   **extra)
     result = trainer.train(resume_from_checkpoint=None if a.plain else "auto")
     print(f"trained to step {trainer.state.global_step}, loss {result.training_loss:.4f}", flush=True)
     if a.out and trainer.args.process_index == 0:

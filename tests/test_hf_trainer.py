@@ -68,21 +68,25 @@ def test_a_trainer_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path, 
     assert not differ, f"{differ}\n{out[-3000:]}"
 
 
-def test_a_preempted_trainer_saves_the_step_it_is_at_and_resumes_from_it(tmp_path, uninterrupted):
+def test_a_preempted_trainer_saves_the_step_it_is_at_and_a_new_node_resumes_from_it(tmp_path, uninterrupted):
     """SIGTERM to rank 0 alone after step 6, with saves every 8 steps: both ranks save the
     step they agree on (rank 1 learns of the signal from rank 0 at the end of a step, one
     step later when the agreement is read without waiting: 6 or 7), it is committed, and
-    the run exits with status 0; run again, it resumes from that step (no step lost) and
-    ends bit for bit where the uninterrupted run does."""
-    run = tmp_path / "run"
-    out = _launch("--dir", str(run), "--steps", "12", "--save-steps", "8", "--term-at", "6")
+    the run exits with status 0, the step drained to the remote tier; run again on a new
+    node (an empty output directory, the same remote), it resumes from that step (no step
+    lost) and ends bit for bit where the uninterrupted run does."""
+    run, remote = tmp_path / "run", str(tmp_path / "remote")  # a shared directory as the remote tier
+    out = _launch("--dir", str(run), "--steps", "12", "--save-steps", "8", "--term-at", "6", "--remote", remote)
     assert "signalled at step 6" in out and "trained to step" not in out
     saved = re.findall(r"preempted: step (\d+) of", out)
     assert len(saved) == 2 and saved[0] == saved[1] and saved[0] in ("6", "7"), out[-3000:]
     assert sorted(n for n in os.listdir(run / "resilient") if n.startswith("step-")) == [f"step-{int(saved[0]):010d}"]
-    out = _launch("--dir", str(run), "--steps", "12", "--save-steps", "8", "--out", str(tmp_path / "resumed.pt"))
+    assert f"step-{int(saved[0]):010d}" in os.listdir(remote)
+    node = tmp_path / "new-node"
+    out = _launch("--dir", str(node), "--steps", "12", "--save-steps", "8", "--remote", remote,
+                  "--out", str(tmp_path / "resumed.pt"))
     assert "trained to step 12" in out
-    state = json.loads((run / f"checkpoint-{saved[0]}" / "trainer_state.json").read_text())
+    state = json.loads((node / f"checkpoint-{saved[0]}" / "trainer_state.json").read_text())
     assert state["global_step"] == int(saved[0])
     differ = _differ(uninterrupted, torch.load(tmp_path / "resumed.pt"))
     assert not differ, f"{differ}\n{out[-3000:]}"
