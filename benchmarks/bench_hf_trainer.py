@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -116,14 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if rendered(a.render, table):
         return
-    root = tempfile.mkdtemp(prefix="bench-hf-", dir=a.root)
-    try:
-        runs = in_rounds(METHODS, a.rounds, lambda method: one_run(method, a.layers, a.saves, root),
-                         lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s")
-        results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
-                   "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    runs = in_rounds(METHODS, a.rounds, lambda method, root: one_run(method, a.layers, a.saves, root),
+                     lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s", "bench-hf-", a.root)
+    results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
+               "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
     reported(results, a.out, table)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -121,14 +120,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(methods) - set(METHODS)
     if unknown:
         p.error(f"--methods: unknown {', '.join(sorted(unknown))} (known: {', '.join(METHODS)})")
-    root = tempfile.mkdtemp(prefix="bench-lightning-", dir=a.root)
-    try:
-        runs = in_rounds(methods, a.rounds, lambda method: one_run(method, layers, a.saves, root),
-                         lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, fit {run['fit_s']:.1f} s")
-        results = {"gb": a.gb, "layers": layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
-                   "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    runs = in_rounds(methods, a.rounds, lambda method, root: one_run(method, layers, a.saves, root),
+                     lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, fit {run['fit_s']:.1f} s",
+                     "bench-lightning-", a.root)
+    results = {"gb": a.gb, "layers": layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
+               "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
     reported(results, a.out, table)
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -263,16 +265,22 @@ def reported(results: Any, out: str | None, table: Callable[[Any], str]) -> None
     print(table(results))
 
 
-def in_rounds(methods: Sequence[str], rounds: int, run: Callable[[str], dict[str, Any]],
-              said: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+def in_rounds(methods: Sequence[str], rounds: int, run: Callable[[str, str], dict[str, Any]],
+              said: Callable[[dict[str, Any]], str], prefix: str, parent: str | None = None) -> list[dict[str, Any]]:
     """Every method run once a round, the order rotated by round (so that none always goes
-    first on a machine that warms up or slows down); ``said`` prints each run's line."""
+    first on a machine that warms up or slows down), as ``run(method, directory)`` in a
+    scratch directory (``prefix``, under ``parent``) removed at the end; ``said`` prints
+    each run's line."""
+    scratch = tempfile.mkdtemp(prefix=prefix, dir=parent)
     runs = []
-    for round_ in range(rounds):
-        shift = round_ % len(methods)
-        for method in (*methods[shift:], *methods[:shift]):
-            runs.append(run(method))
-            print(f"round {round_ + 1}: {method}: {said(runs[-1])}", flush=True)
+    try:
+        for round_ in range(rounds):
+            shift = round_ % len(methods)
+            for method in (*methods[shift:], *methods[:shift]):
+                runs.append(run(method, scratch))
+                print(f"round {round_ + 1}: {method}: {said(runs[-1])}", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return runs
 
 

@@ -27,6 +27,28 @@ def run_example(*args: str, env: dict | None = None) -> str:
     return out.stdout + out.stderr
 
 
+def _tiny(base: type) -> type:
+    """A one-layer regression module derived from ``base`` (either package's LightningModule)."""
+
+    class Tiny(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Tiny
+
+
+def _tiny_loader() -> torch.utils.data.DataLoader:
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
 def test_interrupted_lightning_run_resumes_bitwise_equal(tmp_path):
     run_example("--dir", str(tmp_path / "full"), "--epochs", "4", "--out", str(tmp_path / "full.pt"))
     run_example("--dir", str(tmp_path / "ck"), "--epochs", "2")
@@ -164,19 +186,7 @@ def test_last_ckpt_as_a_link_to_a_save_still_being_written(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["epoch=0.ckpt"]
     io.teardown()
 
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, index):
-            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    Tiny, loader = _tiny(pl.LightningModule), _tiny_loader()
 
     def trainer(steps: int) -> pl.Trainer:
         return pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
@@ -247,20 +257,7 @@ def test_the_plugin_serves_a_trainer_of_the_lightning_package_too(tmp_path):
 
     from resilient.lightning import ResilientCheckpointIO
 
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, index):
-            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 4, generator=g)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+    Tiny, loader = _tiny(L.LightningModule), _tiny_loader()
 
     def trainer(epochs: int):
         return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
