@@ -193,19 +193,28 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     # -- in-flight saves -----------------------------------------------------------------------
     def _finish(self, path: str) -> None:
-        ckpt = self._open.pop(path, None)
-        if ckpt is not None:
-            if ckpt.remote:
-                ckpt.flush()
-            ckpt.close()
+        finish(self._open, path)
 
     def _finish_done(self) -> None:
-        """Close checkpointers whose save has committed and drained (their threads need not
-        linger); the others go on in the background."""
-        for path, ckpt in list(self._open.items()):
-            saved = ckpt._inflight is None or ckpt._inflight.done()
-            if saved and (ckpt._uploader is None or not ckpt._uploader.pending()):
-                self._finish(path)
+        finish_done(self._open)
+
+
+def finish(saving: dict[str, Checkpointer], path: str) -> None:
+    """Commit (and drain) the save in flight at ``path`` in ``saving``, and close its checkpointer."""
+    ckpt = saving.pop(path, None)
+    if ckpt is not None:
+        if ckpt.remote:
+            ckpt.flush()
+        ckpt.close()
+
+
+def finish_done(saving: dict[str, Checkpointer]) -> None:
+    """Close the checkpointers in ``saving`` whose save has committed and drained (their
+    threads need not linger); the others go on in the background."""
+    for path, ckpt in list(saving.items()):
+        saved = ckpt._inflight is None or ckpt._inflight.done()
+        if saved and (ckpt._uploader is None or not ckpt._uploader.pending()):
+            finish(saving, path)
 
 
 #: every plugin in this process, for ``load_from_checkpoint`` (``_teach_load_from_checkpoint``)
@@ -385,3 +394,8 @@ def _unless_vanished(func: Any, path: str, exc_info: Any) -> None:
     collector, a pending save's clean-up) is gone either way."""
     if not issubclass(exc_info[0], FileNotFoundError):
         raise exc_info[1]
+
+
+from ._lightning_parallel import ResilientModelParallelStrategy  # noqa: E402 - it builds on the plugin above
+
+__all__ += ["ResilientModelParallelStrategy"]

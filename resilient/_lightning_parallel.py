@@ -1,0 +1,139 @@
+"""Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) with resilient's
+checkpoints: ``strategy=ResilientModelParallelStrategy(...)`` in place of
+``ModelParallelStrategy(...)``, the same arguments.
+
+Why a strategy and not the plugin: ``ModelParallelStrategy`` does not use the Trainer's
+``CheckpointIO``; it saves every checkpoint itself, with ``torch.distributed.checkpoint``,
+inside the training step. Here every rank snapshots its shards (the model's and the
+optimizers' DTensors as Lightning collects them) and writes them in the background; the
+rest of Lightning's checkpoint (loops, callbacks, schedulers, hyper-parameters) is stored
+once. A checkpoint saved at one world size loads at another (the shards are cut again).
+Each checkpoint path is a resilient root, as with the plugin, so ``ModelCheckpoint``'s
+top-k, ``last.ckpt`` and ``ckpt_path="last"`` work unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Mapping
+
+from ._checkpointer import Checkpointer
+from .lightning import ResilientCheckpointIO, _key, _lightning_packages, _local, _storable, finish, finish_done
+
+__all__ = ["ResilientModelParallelStrategy"]
+
+
+def _model_parallel_base() -> type:
+    """The ``ModelParallelStrategy`` of ``pytorch_lightning``, else of ``lightning``: a
+    strategy's class cannot serve both packages' Trainers (their internals differ)."""
+    return importlib.import_module(f"{_lightning_packages()[0]}.strategies").ModelParallelStrategy
+
+
+class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[misc]
+    """``ModelParallelStrategy`` whose checkpoints are resilient's.
+
+    Args:
+        remote, storage_options, compress: as for ``ResilientCheckpointIO``.
+        Others: ``ModelParallelStrategy``'s (``data_parallel_size``, ``tensor_parallel_size``,
+        ...). Its ``save_distributed_checkpoint=False`` (one full file from rank 0) is refused:
+        the point here is that every rank writes its own shards.
+    """
+
+    def __init__(self, *args: Any, remote: str | None = None, storage_options: Mapping[str, Any] | None = None,
+                 compress: str | None = None, **kwargs: Any) -> None:
+        if kwargs.get("save_distributed_checkpoint") is False:
+            raise ValueError("ResilientModelParallelStrategy: save_distributed_checkpoint=False gathers the whole "
+                             "state on rank 0; every rank writes its own shards here (a checkpoint loads at any "
+                             "world size, and resilient-ckpt export makes one file of it)")
+        super().__init__(*args, **kwargs)
+        self._files = ResilientCheckpointIO(remote=remote, storage_options=storage_options, compress=compress)
+        self._saving: dict[str, Checkpointer] = {}  # path -> this rank's checkpointer with a save in flight
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ResilientModelParallelStrategy.save_checkpoint: storage_options are given to the "
+                            "strategy (remote=, storage_options=), not to each save")
+        path = self._agreed_path(filepath, "save")
+        if self.is_global_zero and (os.path.isfile(path) or os.path.islink(path)):
+            os.remove(path)  # a torch.save file, or a link (``save_last="link"``): replaced
+        self.barrier()
+        path = _key(path)
+        self._finish(path)
+        self._finish_done()
+        replaced: list[str] = []
+        # the shards as Lightning collected them (its hooks may have changed them); the rest as plain data
+        state = {"state_dict": checkpoint.pop("state_dict"),
+                 "optimizer_states": checkpoint.pop("optimizer_states", []),
+                 "lightning": {k: _storable(v, k, replaced) for k, v in checkpoint.items()}}
+        ckpt = self._checkpointer(path)
+        # a sequence number, not the global step: the same path may be saved twice at one step
+        ckpt.save(ckpt._coord.agree_max(ckpt.latest() or 0) + 1, state, force=True)
+        self._saving[path] = ckpt
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        path = self._agreed_path(filepath, "remove")
+        if not os.path.islink(path):
+            ckpt = self._saving.pop(_key(path), None)
+            if ckpt is not None:  # its writers may still be moving files there, its uploads going up
+                ckpt.abandon(wait=ckpt.commit_timeout)
+                if ckpt._uploader is not None:
+                    ckpt._uploader.close(timeout=None)
+            self.barrier()  # every rank's writers are done with it
+        if self.is_global_zero:
+            self._files.remove_checkpoint(path)
+
+    # -- loading --------------------------------------------------------------------------------
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the model's and optimizers' shards in place (cut again for this world size)
+        and return the rest of Lightning's checkpoint; never unpickles."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = self._agreed_path(checkpoint_path, "load")
+        self._finish(_key(path))
+        model_state = get_model_state_dict(self.model)
+        optimizer_states = [get_optimizer_state_dict(self.model, optimizer) for optimizer in self.optimizers]
+        state: dict[str, Any] = {"state_dict": model_state, "optimizer_states": optimizer_states, "lightning": {}}
+        with self._checkpointer(path) as ckpt:
+            if ckpt.restore(state) == 0:
+                raise FileNotFoundError(f"{path} holds no committed checkpoint"
+                                        + (f", nor {self._files.remote}/{os.path.basename(path)}"
+                                           if self._files.remote else ""))
+        set_model_state_dict(self.model, model_state)
+        for optimizer, optimizer_state in zip(self.optimizers, optimizer_states):
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state)
+        return {**state["lightning"], "state_dict": model_state, "optimizer_states": optimizer_states}
+
+    # -- the end --------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Commit (and drain to ``remote``) every save still in flight on this rank."""
+        for path in list(self._saving):
+            self._finish(path)
+        if self.is_global_zero:
+            self._files.teardown()
+        super().teardown()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _agreed_path(self, filepath: Any, action: str) -> str:
+        """Rank 0's path, on every rank (as ``ModelParallelStrategy`` does), absolute; a URL refused."""
+        return _local(self.broadcast(os.fspath(filepath)), action)
+
+    def _checkpointer(self, path: str) -> Checkpointer:
+        remote = self._files.remote
+        # one checkpoint a path on each tier (``last.ckpt`` is saved again and again)
+        return Checkpointer(path, keep=1, keep_remote=1, compress=self._files.compress, rng=False,
+                            remote=f"{remote}/{os.path.basename(path)}" if remote else None,
+                            storage_options=self._files.storage_options,
+                            _signals=False)  # Lightning answers SIGTERM itself (SIGTERMException)
+
+    def _finish(self, path: str) -> None:
+        finish(self._saving, path)
+
+    def _finish_done(self) -> None:
+        finish_done(self._saving)  # this rank's alone: closing a checkpointer is no collective

@@ -1,0 +1,107 @@
+"""Lightning's ``ModelParallelStrategy`` (FSDP2 on two gloo ranks) with resilient's
+checkpoints: ``ResilientModelParallelStrategy``, run as a Lightning user runs it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from .launch import REPO
+
+pytest.importorskip("pytorch_lightning")
+
+pytestmark = pytest.mark.timeout(300)
+
+_SCRIPT = '''
+import os, sys, torch
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.distributed.fsdp import fully_shard
+from resilient.lightning import ResilientModelParallelStrategy
+
+class Sharded(pl.LightningModule):
+    def __init__(self, width=16):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+    def configure_model(self):
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.net[0], mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, index):
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+def whole(module):  # every rank takes part: full_tensor gathers the shards
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+
+class Record(Callback):
+    """The whole weights at each checkpoint's step, and at the start of training."""
+    def on_train_start(self, trainer, module):
+        weights = whole(module)
+        if trainer.global_rank == 0:
+            torch.save({"step": trainer.global_step, "weights": weights,
+                        "adam_steps": sorted({float(s["step"]) for s in trainer.optimizers[0].state.values()})},
+                       os.path.join(out, "start.pt"))
+    def on_train_batch_end(self, trainer, module, *rest):
+        weights = whole(module)
+        if trainer.global_rank == 0:
+            torch.save(weights, os.path.join(out, f"weights-{trainer.global_step}.pt"))
+
+ckpts, out, steps, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+resume = sys.argv[5] if len(sys.argv) > 5 else None
+os.makedirs(out, exist_ok=True)
+x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
+trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False,
+                     strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1),
+                     callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1), Record()])
+torch.manual_seed(0)
+trainer.fit(Sharded(), data, ckpt_path=resume)
+print(f"rank {trainer.global_rank}: trained to step {trainer.global_step}", flush=True)
+'''
+
+
+def _run(tmp_path, *args: str) -> str:
+    script = tmp_path / "sharded.py"
+    script.write_text(_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240,
+                         cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout + out.stderr
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world_size(tmp_path):
+    """Two ranks train 8 steps, a checkpoint every 4 (an epoch: the data position is
+    Lightning's to restore), each rank writing its own shards. Resumed from step 4 on two
+    ranks, the run ends bit for bit where the uninterrupted one did; on one rank (the shards
+    cut again), training starts from step 4's weights and Adam's step count."""
+    from resilient._catalog import Catalog
+    from resilient._storage import LocalStorage
+
+    ckpts = tmp_path / "ckpts"
+    said = _run(tmp_path, str(ckpts), str(tmp_path / "full"), "8", "2")
+    assert "rank 0: trained to step 8" in said
+    step4 = ckpts / "epoch=0-step=4.ckpt"
+    manifest = Catalog(LocalStorage(str(step4))).manifest(1)
+    assert sorted(manifest["files"]) == ["rank-00000.data", "rank-00001.data"]  # a shard file per rank
+    assert any(len(meta["boxes"]) == 2 for meta in manifest["tensors"].values() if "boxes" in meta), manifest["tensors"]
+
+    _run(tmp_path, str(tmp_path / "again"), str(tmp_path / "resumed"), "8", "2", str(step4))
+    assert _same(torch.load(tmp_path / "resumed" / "weights-8.pt"), torch.load(tmp_path / "full" / "weights-8.pt"))
+
+    _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "5", "1", str(step4))
+    start = torch.load(tmp_path / "one" / "start.pt")
+    assert start["step"] == 4 and start["adam_steps"] == [4.0]
+    assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-4.pt"))
