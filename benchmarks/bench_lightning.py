@@ -24,7 +24,11 @@ stall. ``--render`` prints the table of a results file again.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -32,31 +36,57 @@ import torch
 
 from benchmarks.common import in_rounds, memcpy_seconds, rendered, reported, stall_cell
 
-METHODS = ("TorchCheckpointIO", "AsyncCheckpointIO", "ResilientCheckpointIO")
+PLUGINS = ("TorchCheckpointIO", "AsyncCheckpointIO", "ResilientCheckpointIO")
+STRATEGIES = ("ModelParallelStrategy", "ResilientModelParallelStrategy")  # FSDP2 on 2 ranks
+METHODS = PLUGINS + STRATEGIES
 WIDTH = 4096
 
 
-def _plugin(method: str) -> Any:
-    """The plugin ``method`` names, its ``save_checkpoint`` timed into ``save_seconds``."""
-    from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
-    from resilient.lightning import ResilientCheckpointIO
-
-    base = {"TorchCheckpointIO": TorchCheckpointIO, "AsyncCheckpointIO": AsyncCheckpointIO,
-            "ResilientCheckpointIO": ResilientCheckpointIO}[method]
+def _timed(base: type, **kwargs: Any) -> Any:
+    """An instance of ``base`` whose ``save_checkpoint`` times itself into ``save_seconds``."""
 
     class Timed(base):  # type: ignore[misc, valid-type]
-        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        def save_checkpoint(self, *args: Any, **kw: Any) -> None:
             started = time.perf_counter()
-            super().save_checkpoint(*args, **kwargs)
+            super().save_checkpoint(*args, **kw)
             self.save_seconds.append(time.perf_counter() - started)
 
-    plugin = Timed()
-    plugin.save_seconds = []
-    return plugin
+    timed = Timed(**kwargs)
+    timed.save_seconds = []
+    return timed
+
+
+def _saver(method: str) -> tuple[dict[str, Any], Any]:
+    """The Trainer's arguments for ``method`` and the object whose saves are timed."""
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    from resilient.lightning import ResilientCheckpointIO, ResilientModelParallelStrategy
+
+    if method in PLUGINS:
+        plugin = _timed({"TorchCheckpointIO": TorchCheckpointIO, "AsyncCheckpointIO": AsyncCheckpointIO,
+                         "ResilientCheckpointIO": ResilientCheckpointIO}[method])
+        return {"devices": 1, "plugins": [plugin]}, plugin
+    base = ResilientModelParallelStrategy if method.startswith("Resilient") else ModelParallelStrategy
+    strategy = _timed(base, data_parallel_size=2, tensor_parallel_size=1)
+    return {"devices": 2, "strategy": strategy}, strategy
 
 
 def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
+    """A plugin's run here; a strategy's in a process of its own, which Lightning starts its
+    second rank from (rank 0 prints the result)."""
+    if method in PLUGINS:
+        return trained(method, layers, saves, root)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_lightning", "--child", method,
+                          "--child-layers", str(layers), "--saves", str(saves), "--root", root],
+                         capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    said = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not said:
+        raise RuntimeError(f"{method} failed ({out.returncode}): {out.stdout[-2000:]}{out.stderr[-3000:]}")
+    return json.loads(said[-1].removeprefix("RESULT "))
+
+
+def trained(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -65,6 +95,14 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
             super().__init__()
             self.net = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
 
+        def configure_model(self) -> None:
+            if method in STRATEGIES:  # FSDP2: each layer sharded over the ranks
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in self.net:
+                    fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+                fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
         def training_step(self, batch: Any, index: int) -> torch.Tensor:
             return self.net(batch[0]).square().mean()
 
@@ -72,35 +110,40 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
     torch.manual_seed(0)
-    x = torch.randn(8 * 2 * saves, WIDTH)
+    x = torch.randn(8 * 2 * saves * 2, WIDTH)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
-    plugin = _plugin(method)
-    trainer = pl.Trainer(max_steps=2 * saves, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, plugins=[plugin],
+    arguments, saver = _saver(method)
+    trainer = pl.Trainer(max_steps=2 * saves, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, **arguments,
                          callbacks=[ModelCheckpoint(dirpath=f"{root}/{method}", every_n_train_steps=2, save_top_k=1,
                                                     save_last=True)])
     module = Stack()
     started = time.perf_counter()
     trainer.fit(module, loader)
     total = time.perf_counter() - started
-    nbytes = 3 * sum(p.numel() * p.element_size() for p in module.parameters())  # weights and two Adam moments
-    shutil.rmtree(f"{root}/{method}", ignore_errors=True)
-    return {"method": method, "save_s": plugin.save_seconds, "fit_s": total, "bytes": nbytes}
+    nbytes = 3 * layers * WIDTH * (WIDTH + 1) * 4  # weights and two Adam moments, all ranks together
+    if trainer.global_rank == 0:
+        shutil.rmtree(f"{root}/{method}", ignore_errors=True)
+    return {"method": method, "save_s": saver.save_seconds, "fit_s": total, "bytes": nbytes,
+            "ranks": arguments["devices"]}
 
 
 def table(results: dict[str, Any]) -> str:
     memcpy = results["memcpy_s"]
-    rows = ["| plugin | state | first checkpoint's two saves | later saves (median, range) | "
-            f"`fit` of {2 * results['saves']} steps, all written |", "|---|---|---|---|---|"]
+    rows = ["| method | ranks | state (all ranks) | first checkpoint's two saves | later saves (median, range; "
+            f"x memcpy of a rank's share) | `fit` of {2 * results['saves']} steps, all written |",
+            "|---|---|---|---|---|---|"]
     for method in METHODS:
         runs = [r for r in results["runs"] if r["method"] == method]
         if not runs:
             continue
+        ranks = runs[0].get("ranks", 1)
         first = [f"{r['save_s'][0]:.2f}+{r['save_s'][1]:.2f}" for r in runs]
-        later = stall_cell([s for r in runs for s in r["save_s"][2:]], memcpy)
+        later = stall_cell([s for r in runs for s in r["save_s"][2:]], memcpy / ranks)
         fits = ", ".join(f"{r['fit_s']:.1f}" for r in runs)
-        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {', '.join(first)} s | {later} | {fits} s |")
-    return "\n".join(rows) + f"\n\nmemcpy of the state's bytes: {memcpy:.3f} s"
+        rows.append(f"| {method} | {ranks} | {runs[0]['bytes'] / 1e9:.2f} GB | {', '.join(first)} s | {later} | "
+                    f"{fits} s |")
+    return "\n".join(rows) + f"\n\nmemcpy of the whole state's bytes: {memcpy:.3f} s"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,12 +151,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gb", type=float, default=1.0, help="model and Adam moments together")
     p.add_argument("--saves", type=int, default=4, help="checkpoints per run (each is two saves)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--methods", default=",".join(METHODS), help="which plugins, comma-separated")
+    p.add_argument("--methods", default=",".join(METHODS), help="which plugins and strategies, comma-separated")
     p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
     p.add_argument("--out", default=None, help="keep the samples as JSON here")
     p.add_argument("--render", default=None, help="print the table of a results file and exit")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a strategy's run (one_run)
+    p.add_argument("--child-layers", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if rendered(a.render, table):
+        return
+    if a.child:
+        result = trained(a.child, a.child_layers, a.saves, a.root)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
         return
     layers = max(1, round(a.gb * 1e9 / (3 * 4 * WIDTH * (WIDTH + 1))))
     methods = tuple(m for m in a.methods.split(",") if m)

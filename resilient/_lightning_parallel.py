@@ -55,11 +55,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         if storage_options is not None:
             raise TypeError("ResilientModelParallelStrategy.save_checkpoint: storage_options are given to the "
                             "strategy (remote=, storage_options=), not to each save")
-        path = self._agreed_path(filepath, "save")
-        if self.is_global_zero and (os.path.isfile(path) or os.path.islink(path)):
-            os.remove(path)  # a torch.save file, or a link (``save_last="link"``): replaced
-        self.barrier()
-        path = _key(path)
+        path, _ = self._agreed(filepath, "save", replace=True)
         self._finish(path)
         self._finish_done()
         replaced: list[str] = []
@@ -73,16 +69,16 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         self._saving[path] = ckpt
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        path = self._agreed_path(filepath, "remove")
-        if not os.path.islink(path):
-            ckpt = self._saving.pop(_key(path), None)
+        path, link = self._agreed(filepath, "remove")
+        if not link:
+            ckpt = self._saving.pop(path, None)
             if ckpt is not None:  # its writers may still be moving files there, its uploads going up
                 ckpt.abandon(wait=ckpt.commit_timeout)
                 if ckpt._uploader is not None:
                     ckpt._uploader.close(timeout=None)
             self.barrier()  # every rank's writers are done with it
         if self.is_global_zero:
-            self._files.remove_checkpoint(path)
+            self._files.remove_checkpoint(path)  # a link: the link alone
 
     # -- loading --------------------------------------------------------------------------------
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -95,8 +91,8 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
             set_optimizer_state_dict,
         )
 
-        path = self._agreed_path(checkpoint_path, "load")
-        self._finish(_key(path))
+        path, _ = self._agreed(checkpoint_path, "load")  # through a link: its target
+        self._finish(path)
         model_state = get_model_state_dict(self.model)
         optimizer_states = [get_optimizer_state_dict(self.model, optimizer) for optimizer in self.optimizers]
         state: dict[str, Any] = {"state_dict": model_state, "optimizer_states": optimizer_states, "lightning": {}}
@@ -106,31 +102,50 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
                                         + (f", nor {self._files.remote}/{os.path.basename(path)}"
                                            if self._files.remote else ""))
         set_model_state_dict(self.model, model_state)
-        for optimizer, optimizer_state in zip(self.optimizers, optimizer_states):
-            set_optimizer_state_dict(self.model, optimizer, optimizer_state)
-        return {**state["lightning"], "state_dict": model_state, "optimizer_states": optimizer_states}
+        loaded = {**state["lightning"], "state_dict": model_state}
+        if state["optimizer_states"]:  # none: saved with weights_only=True, which Lightning is told as usual
+            for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
+                set_optimizer_state_dict(self.model, optimizer, optimizer_state)
+            loaded["optimizer_states"] = state["optimizer_states"]
+        return loaded
 
     # -- the end --------------------------------------------------------------------------------
     def teardown(self) -> None:
-        """Commit (and drain to ``remote``) every save still in flight on this rank."""
+        """Commit (and drain to ``remote``) every save still in flight on this rank; free
+        its buffers."""
         for path in list(self._saving):
             self._finish(path)
-        if self.is_global_zero:
-            self._files.teardown()
+        self._files.teardown()  # rank 0's deletions; every rank's buffers
         super().teardown()
 
     # -- helpers --------------------------------------------------------------------------------
-    def _agreed_path(self, filepath: Any, action: str) -> str:
-        """Rank 0's path, on every rank (as ``ModelParallelStrategy`` does), absolute; a URL refused."""
-        return _local(self.broadcast(os.fspath(filepath)), action)
+    def _agreed(self, filepath: Any, action: str, replace: bool = False) -> tuple[str, bool]:
+        """Rank 0's view of the path, on every rank (callbacks may name it differently by
+        rank, and a link, ``save_last="link"``, is made on rank 0's node alone): the
+        directory it names through any link, or the link itself; whether it is a link.
+        ``replace``: rank 0 first removes a file or a link there (a save replaces it)."""
+        path = _local(filepath, action)  # a URL refused on every rank alike
+        view: tuple[str, bool] | None = None
+        if self.is_global_zero:
+            link = os.path.islink(path)
+            if replace and (link or os.path.isfile(path)):
+                os.remove(path)  # a torch.save file, or a link: replaced
+                link = False
+            view = (path if link else _key(path), link)
+        path, link = self.broadcast(view)
+        return path, link
 
     def _checkpointer(self, path: str) -> Checkpointer:
         remote = self._files.remote
+        slot = self._files._buffers.free_slot()  # the saves share two staging buffers, as the plugin's do
         # one checkpoint a path on each tier (``last.ckpt`` is saved again and again)
-        return Checkpointer(path, keep=1, keep_remote=1, compress=self._files.compress, rng=False,
+        ckpt = Checkpointer(path, keep=1, keep_remote=1, compress=self._files.compress, rng=False,
                             remote=f"{remote}/{os.path.basename(path)}" if remote else None,
                             storage_options=self._files.storage_options,
-                            _signals=False)  # Lightning answers SIGTERM itself (SIGTERMException)
+                            _signals=False,  # Lightning answers SIGTERM itself (SIGTERMException)
+                            _staging=slot.staging)
+        slot.user = ckpt
+        return ckpt
 
     def _finish(self, path: str) -> None:
         finish(self._saving, path)

@@ -62,7 +62,8 @@ data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, ke
 trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, logger=False, enable_progress_bar=False,
                      enable_model_summary=False,
                      strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1),
-                     callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1), Record()])
+                     callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1, save_last="link"),
+                                Record()])
 torch.manual_seed(0)
 trainer.fit(Sharded(), data, ckpt_path=resume)
 print(f"rank {trainer.global_rank}: trained to step {trainer.global_step}", flush=True)
@@ -86,7 +87,8 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
     """Two ranks train 8 steps, a checkpoint every 4 (an epoch: the data position is
     Lightning's to restore), each rank writing its own shards. Resumed from step 4 on two
     ranks, the run ends bit for bit where the uninterrupted one did; on one rank (the shards
-    cut again), training starts from step 4's weights and Adam's step count."""
+    cut again), from ``last.ckpt`` (a link to step 8's), training starts from step 8's
+    weights and Adam's step count."""
     from resilient._catalog import Catalog
     from resilient._storage import LocalStorage
 
@@ -101,7 +103,9 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
     _run(tmp_path, str(tmp_path / "again"), str(tmp_path / "resumed"), "8", "2", str(step4))
     assert _same(torch.load(tmp_path / "resumed" / "weights-8.pt"), torch.load(tmp_path / "full" / "weights-8.pt"))
 
-    _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "5", "1", str(step4))
+    # last.ckpt is a link to step 8's directory (save_last="link"), made on rank 0's node
+    assert os.readlink(ckpts / "last.ckpt") == "epoch=1-step=8.ckpt"
+    _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "9", "1", str(ckpts / "last.ckpt"))
     start = torch.load(tmp_path / "one" / "start.pt")
-    assert start["step"] == 4 and start["adam_steps"] == [4.0]
-    assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-4.pt"))
+    assert start["step"] == 8 and start["adam_steps"] == [8.0]
+    assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-8.pt"))
