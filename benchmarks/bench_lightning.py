@@ -1,24 +1,29 @@
-"""PyTorch Lightning's checkpoint plugins against ``ResilientCheckpointIO``: how long each
+"""PyTorch Lightning's checkpoint plugins and strategies against resilient's: how long each
 save holds training up, with a real ``Trainer`` and ``ModelCheckpoint``.
 
     python -m benchmarks.bench_lightning --gb 1 --saves 4 --rounds 2 --out benchmarks/results-lightning.json
 
 A stack of 4096-wide linear layers sized so that the model and its Adam moments weigh
-``--gb``; one process on the CPU; ``ModelCheckpoint(every_n_train_steps=2, save_top_k=1,
-save_last=True)``, so each checkpoint is two saves at one step (the step's file and
-``last.ckpt``), as a user who keeps the newest and a "last" link gets. The plugins, each in
-the same run, in turn by round:
+``--gb``; ``ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)``, so each
+checkpoint is two saves at one step (the step's file and ``last.ckpt``), as a user who keeps
+the newest and a "last" copy gets. The methods, each in the same run, in turn by round:
 
-* ``TorchCheckpointIO``: Lightning's default, ``torch.save`` inside the step (not fsync'd);
+* ``TorchCheckpointIO``: Lightning's default plugin, ``torch.save`` inside the step (not
+  fsync'd);
 * ``AsyncCheckpointIO``: Lightning's, which clones every tensor in the step and pickles the
   clones in a thread (not fsync'd either);
 * ``ResilientCheckpointIO``: copied into a host buffer in the step, written, checksummed,
-  fsync'd and committed in the background.
+  fsync'd and committed in the background;
+* ``ModelParallelStrategy``: Lightning's FSDP2 strategy (``fully_shard`` per layer) on 2
+  gloo ranks, which saves each rank's shards with DCP inside the step;
+* ``ResilientModelParallelStrategy``: the same with resilient's checkpoints.
 
-For each save: the seconds spent in the plugin's ``save_checkpoint`` (the loop waits for
-all of it); for the run, ``fit``'s wall time including the plugin's teardown (every save
-written). A memcpy of the state's bytes, measured in the same run, is the floor of any
-stall. ``--render`` prints the table of a results file again.
+The plugins run in this process; each strategy's run in a process of its own, from which
+Lightning starts its second rank. For each save: the seconds spent in the plugin's or the
+strategy's ``save_checkpoint`` (the loop waits for all of it); for the run, ``fit``'s wall
+time including the teardown (every save written). A memcpy of the state's bytes, measured
+in the same run, is the floor of any stall (of a rank's share, for the strategies).
+``--render`` prints the table of a results file again.
 """
 
 from __future__ import annotations
