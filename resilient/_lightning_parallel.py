@@ -63,7 +63,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         state = {"state_dict": checkpoint.pop("state_dict"),
                  "optimizer_states": checkpoint.pop("optimizer_states", []),
                  "lightning": {k: _storable(v, k, replaced) for k, v in checkpoint.items()}}
-        ckpt = self._checkpointer(path)
+        ckpt = self._files._checkpointer(path)
         # a sequence number, not the global step: the same path may be saved twice at one step
         ckpt.save(ckpt._coord.agree_max(ckpt.latest() or 0) + 1, state, force=True)
         self._saving[path] = ckpt
@@ -96,7 +96,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         model_state = get_model_state_dict(self.model)
         optimizer_states = [get_optimizer_state_dict(self.model, optimizer) for optimizer in self.optimizers]
         state: dict[str, Any] = {"state_dict": model_state, "optimizer_states": optimizer_states, "lightning": {}}
-        with self._checkpointer(path) as ckpt:
+        with self._files._checkpointer(path) as ckpt:
             if ckpt.restore(state) == 0:
                 raise FileNotFoundError(f"{path} holds no committed checkpoint"
                                         + (f", nor {self._files.remote}/{os.path.basename(path)}"
@@ -134,18 +134,6 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
             view = (path if link else _key(path), link)
         path, link = self.broadcast(view)
         return path, link
-
-    def _checkpointer(self, path: str) -> Checkpointer:
-        remote = self._files.remote
-        slot = self._files._buffers.free_slot()  # the saves share two staging buffers, as the plugin's do
-        # one checkpoint a path on each tier (``last.ckpt`` is saved again and again)
-        ckpt = Checkpointer(path, keep=1, keep_remote=1, compress=self._files.compress, rng=False,
-                            remote=f"{remote}/{os.path.basename(path)}" if remote else None,
-                            storage_options=self._files.storage_options,
-                            _signals=False,  # Lightning answers SIGTERM itself (SIGTERMException)
-                            _staging=slot.staging)
-        slot.user = ckpt
-        return ckpt
 
     def _finish(self, path: str) -> None:
         finish(self._saving, path)

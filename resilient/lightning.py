@@ -43,7 +43,7 @@ import torch
 from ._background import yield_to_training
 from ._catalog import Catalog
 from ._checkpointer import Checkpointer
-from ._coord import SoloCoordinator
+from ._coord import Coordinator, SoloCoordinator
 from ._errors import CheckpointCorruptError
 from ._snapshot import Staging
 from ._storage import LocalStorage, Storage, is_remote, open_storage
@@ -127,14 +127,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         state = {k: _storable(v, k, replaced) for k, v in checkpoint.items()}
         if replaced:
             log.warning("resilient: stored as text (cannot be saved without pickle): %s", ", ".join(replaced[:10]))
-        slot = self._buffers.free_slot()
-        # one checkpoint a path on each tier (``last.ckpt`` is saved again and again)
-        ckpt = Checkpointer(path, keep=1, keep_remote=1, compress=self.compress, rng=False,
-                            remote=f"{self.remote}/{os.path.basename(path)}" if self.remote else None,
-                            storage_options=self.storage_options, _coordinator=SoloCoordinator(),
-                            _signals=False,  # Lightning answers SIGTERM itself (SIGTERMException)
-                            _staging=slot.staging)
-        slot.user = ckpt
+        ckpt = self._checkpointer(path, SoloCoordinator())
         # a sequence number, not the global step: the same path may be saved twice at one step
         ckpt.save((ckpt.latest() or 0) + 1, state, force=True)
         self._open[path] = ckpt
@@ -182,6 +175,19 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             name = os.path.basename(path)
             self._deleter.delete_remote(open_storage(self.remote, self.storage_options), name,
                                         f"{self.remote}/{name}", ckpt._uploader if ckpt is not None else None)
+
+    def _checkpointer(self, path: str, coordinator: Coordinator | None = None) -> Checkpointer:
+        """The Checkpointer of the checkpoint at ``path`` (``coordinator``: the ranks that
+        save it; by default every rank of the process group), sharing this plugin's buffers."""
+        slot = self._buffers.free_slot()
+        # one checkpoint a path on each tier (``last.ckpt`` is saved again and again)
+        ckpt = Checkpointer(path, keep=1, keep_remote=1, compress=self.compress, rng=False,
+                            remote=f"{self.remote}/{os.path.basename(path)}" if self.remote else None,
+                            storage_options=self.storage_options, _coordinator=coordinator,
+                            _signals=False,  # Lightning answers SIGTERM itself (SIGTERMException)
+                            _staging=slot.staging)
+        slot.user = ckpt
+        return ckpt
 
     def teardown(self) -> None:
         """Commit (and drain to ``remote``) every save still in flight, finish the
