@@ -76,15 +76,17 @@ class Preemption:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         first = self.signal is None
+        previous = self._previous.get(signum)
         if first:
             self.signal, self.at = signal.Signals(signum).name, time.monotonic()
+            if not callable(previous):
+                # before anything else: a second signal that comes while this one is still
+                # being handled (logged, say) is the default action, not swallowed by this
+                self._fall_back_to_default(signum)
             log.warning("resilient: %s received: the next save() checkpoints that step, drains it and exits",
                         self.signal)
-        previous = self._previous.get(signum)
         if callable(previous):  # a handler the program had installed still runs, and decides
             previous(signum, frame)
-        elif first:
-            self._fall_back_to_default(signum)
 
     def _fall_back_to_default(self, signum: int) -> None:
         """(Main thread, in the handler.) The default action from now on, and this signal
