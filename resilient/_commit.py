@@ -214,9 +214,12 @@ def encode_report(report: dict[str, Any], sent: SentPieces | None = None) -> byt
     here, on every rank at once, are joined there as bytes, and the boxes of every rank are
     one array there, whose runs (``_box_runs.find_runs``) array operations find. Why each
     piece deflated on its own: the tensors' names and shapes and the tree are the same on
-    every FSDP rank (45 of a report's 64 kB), and deflate gives the same bytes for the same
-    input, so rank 0 compares them deflated and inflates each distinct one once: inflating
-    whole reports was 0.6 s of its 1.0 s at 8,192 ranks (``bench_manifest``)."""
+    every FSDP rank (45 of a report's 64 kB), and deflate nearly always gives the same bytes
+    for the same input, so rank 0 inflates each distinct deflated piece once: inflating
+    whole reports was 0.6 s of its 1.0 s at 8,192 ranks (``bench_manifest``). Nearly: ISA-L
+    gave one rank in six 59 bytes for a tree the others deflated to 58, now and then, under
+    load; and nodes may deflate with another library or CPU code path. So equal deflated
+    bytes mean equal pieces, but not the other way round (``_Distinct``)."""
     if "error" in report:
         return json.dumps({"rank": report["rank"], "error": report["error"]}).encode() + b"\n"
     names = sorted(report["meta"])
@@ -226,16 +229,18 @@ def encode_report(report: dict[str, Any], sent: SentPieces | None = None) -> byt
     def planned(kind: str) -> bytes:  # a piece of the rank's save plan, encoded once a plan
         return _json(report[kind]) if sent is None else sent.encoded(kind, report[kind], _json)
 
-    pieces = dict(zip(_PIECES, (_deflate.compress(p, 1) for p in (
-        planned("meta"), _json(record), _json(report["tree"]), _json(report["rng"]),
-        box_rows(report["shards"], names, ndim).tobytes(), planned("replicated")))))
+    plain = dict(zip(_PIECES, (planned("meta"), _json(record), _json(report["tree"]), _json(report["rng"]),
+                               box_rows(report["shards"], names, ndim).tobytes(), planned("replicated"))))
     named: dict[str, dict[str, str]] = {"kept": {}, "digests": {}}  # pieces left out, pieces sent whole
-    if sent is not None:
-        for kind in KEPT_PIECES:
-            left_out, named_as = sent.left_out(kind, pieces[kind])
+    pieces: dict[str, bytes] = {}
+    for kind, piece in plain.items():
+        if sent is not None and kind in KEPT_PIECES:  # compared before deflating: see _report_memo
+            left_out, named_as = sent.left_out(kind, piece)
             named["kept" if left_out else "digests"][kind] = named_as
             if left_out:
                 pieces[kind] = b""
+                continue
+        pieces[kind] = _deflate.compress(piece, 1)
     header = {"rank": report["rank"], "signature": report["signature"], "file": report["file"],
               "ndim": ndim, "chunk_bytes": report["chunk_bytes"],
               "sizes": [len(p) for p in pieces.values()], **{k: v for k, v in named.items() if v}}
@@ -332,7 +337,7 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
         tensors = _tensors_json(first_meta, _replicated_boxes(first_meta, reports), sharded)
     files = [_json(r.header["file"]) + b":" + _deflate.decompress(r.record)
              for r in reports if r.header["file"] is not None]
-    trees, rngs = _Distinct(), _Distinct()  # trees told apart deflated, inflated once each
+    trees, rngs = _Distinct(_deflate.decompress), _Distinct()  # each distinct deflated tree inflated once
     ranks = b"[" + b",".join(b"[%d,%s]" % (trees.index(r.tree), _rank_rng(_deflate.decompress(r.rng), rngs))
                              for r in reports) + b"]"
     if held is not None:
@@ -343,7 +348,7 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
                   "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec,
                   "chunk_bytes": first.header["chunk_bytes"]})
     return b"".join([head[:-1], b',"files":{', b",".join(files), b'},"tensors":', tensors,
-                     b',"trees":[', b",".join(map(_deflate.decompress, trees.kept)), b'],"rngs":[', b",".join(rngs.kept),
+                     b',"trees":[', b",".join(trees.kept), b'],"rngs":[', b",".join(rngs.kept),
                      b'],"ranks":', ranks, b"}"])
 
 
@@ -403,17 +408,29 @@ def _rank_rng(encoded: bytes, rngs: "_Distinct") -> bytes:
 
 class _Distinct:
     """Encoded values kept once each, in order of first sight: ranks' trees (alike in an
-    FSDP job) and RNG states (alike where every rank seeds the same)."""
+    FSDP job) and RNG states (alike where every rank seeds the same).
 
-    def __init__(self) -> None:
+    ``decode``: how a value as sent becomes the value kept, for values that can be sent as
+    different bytes for one content (deflated trees). Values are told apart by what they
+    decode to, each distinct sent form decoded once: told apart as sent, two ranks' one
+    tree was kept twice whenever their deflate disagreed."""
+
+    def __init__(self, decode: Callable[[bytes], bytes] | None = None) -> None:
         self.kept: list[bytes] = []
-        self._seen: dict[bytes, int] = {}
+        self._decode = decode
+        self._sent: dict[bytes, int] = {}  # as sent -> index in kept
+        self._content: dict[bytes, int] = {}  # as kept -> index in kept
 
     def index(self, value: bytes) -> int:
-        if value not in self._seen:
-            self._seen[value] = len(self.kept)
-            self.kept.append(value)
-        return self._seen[value]
+        found = self._sent.get(value)
+        if found is None:
+            content = value if self._decode is None else self._decode(value)
+            found = self._content.get(content)
+            if found is None:
+                found = self._content[content] = len(self.kept)
+                self.kept.append(content)
+            self._sent[value] = found
+        return found
 
 
 def _sharded_boxes(meta: dict[str, Any], reports: list[_Report]) -> dict[str, list[bytes]]:

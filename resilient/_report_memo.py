@@ -69,7 +69,11 @@ class SentPieces:
     def left_out(self, kind: str, piece: bytes) -> tuple[bool, str]:
         """(whether ``piece`` can be left out, as rank 0 holds it already; its digest). A
         piece sent whole becomes the baseline if this save commits; its digest goes with it,
-        so that rank 0 never hashes what thousands of ranks send."""
+        so that rank 0 never hashes what thousands of ranks send.
+
+        ``piece`` as encoded, before it is deflated: rank 0 holds it deflated, but the same
+        bytes need not deflate alike twice (ISA-L, under load, now and then), and a piece
+        left out is not deflated at all."""
         held = self._held.get(kind)
         if held is not None and held[0] == piece:
             self._sending[kind] = held
