@@ -220,17 +220,12 @@ def test_the_manifest_joins_every_kind_of_piece_in_order():
 def deflated_otherwise(raw: bytes, kind: str) -> bytes:
     """An encoded report with its ``kind`` piece deflated as another library or CPU code
     path may deflate it: the same content, other bytes (stored, not compressed)."""
-    from resilient._commit import _PIECES, _deflate
+    from resilient._commit import _PIECES, _deflate, _Report
 
-    head, _, body = raw.partition(b"\n")
-    header = json.loads(head)
-    pieces, at = [], 0
-    for size in header["sizes"]:
-        pieces.append(body[at:at + size])
-        at += size
-    at = _PIECES.index(kind)
-    pieces[at] = zlib.compress(_deflate.decompress(pieces[at]), 0)
-    header["sizes"] = [len(p) for p in pieces]
+    parsed = _Report.parse(raw)
+    setattr(parsed, kind, zlib.compress(_deflate.decompress(getattr(parsed, kind)), 0))
+    pieces = [getattr(parsed, piece) for piece in _PIECES]
+    header = {**parsed.header, "sizes": [len(p) for p in pieces]}
     return json.dumps(header, separators=(",", ":")).encode() + b"\n" + b"".join(pieces)
 
 
