@@ -40,7 +40,9 @@ from benchmarks.common import (GB, PeakRSS, drop_cache, mean_or_nan, mean_step_s
                                write_file)
 
 N_PARAMS = 26
-RESILIENT = {"resilient": True, "resilient(buffered)": False}  # name: direct_io
+RESILIENT = {"resilient": {"direct_io": True}, "resilient(buffered)": {"direct_io": False}}  # name: its options
+#: resilient's other options, which ``bench_busy_cores`` weighs (not run here by default)
+RESILIENT_MORE = {"resilient(zstd)": {"compress": "zstd"}}
 METHODS = [*RESILIENT, "torch.save", "dcp.save", "dcp.async_save(thread)", "dcp.async_save(process)",
            "dcp.async_save+DefaultStager"]
 
@@ -111,10 +113,11 @@ class Method:
         self.stager = None
         self.ckpt = None
         self.phases: list[dict[str, float]] = []  # resilient's, per save: where its time to durable went
-        if name in RESILIENT:
+        options = {**RESILIENT, **RESILIENT_MORE}.get(name)
+        if options is not None:
             from resilient import Checkpointer
 
-            self.ckpt = Checkpointer(root, keep=1, rng=False, direct_io=RESILIENT[name])
+            self.ckpt = Checkpointer(root, keep=1, rng=False, **options)
         if name == "dcp.async_save+DefaultStager" and not restore_only:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -123,8 +126,11 @@ class Method:
     def path(self, step: int) -> str:
         return os.path.join(self.root, f"step-{step}")
 
-    def save(self, step: int, on_staged: Callable[[], None] = lambda: None) -> tuple[float, float]:
-        """``on_staged``: called when the stall ends (the snapshot is in host memory)."""
+    def save(self, step: int, on_staged: Callable[[], None] = lambda: None, waited: bool = False) -> tuple[float, float]:
+        """``on_staged``: called when the stall ends (the snapshot is in host memory).
+        resilient's save is watched, not waited for, as a training loop that goes on does
+        (a thread that waits for a save stops its background work's yielding to training,
+        ``resilient/_background.py``), unless ``waited``."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -133,6 +139,8 @@ class Method:
             handle = self.ckpt.save(step, self.state)
             stall = time.perf_counter() - t0
             on_staged()
+            while not waited and not handle.done():
+                time.sleep(0.002)
             handle.result()
             durable = time.perf_counter() - t0
             self.phases.append(handle.phases)

@@ -494,7 +494,7 @@ class Checkpointer:
             flat = flatten_state(state, self._coord.rank)  # raises on unsupported values before anything is written
         previous = self._inflight
         if previous is not None:
-            previous._done.wait()  # the staging buffer is still being written from
+            previous.settled()  # the staging buffer is still being written from
             if self.strict and previous._error is not None:
                 raise previous._error
         # the stall's bookkeeping and copy, a key, a blob and a copy for each tensor: with the

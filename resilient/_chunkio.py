@@ -17,6 +17,7 @@ import errno
 import os
 import threading
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import zstandard
@@ -26,6 +27,7 @@ try:  # ISA-L's CRC32: zlib's polynomial and values, with carry-less multiply in
 except ImportError:  # pragma: no cover - a platform without isal's wheels
     from zlib import crc32
 
+from ._background import finished
 from ._chunk_table import chunks_of, with_footer
 from ._errors import CheckpointCorruptError
 from ._gc_pause import gc_paused
@@ -204,6 +206,8 @@ def write_chunked(
     ready: Callable[[int], None] | None = None,
     trailer: bytes = b"",
     footer: bool = False,
+    yielding: Executor | None = None,
+    late: Callable[[], bool] | None = None,
 ) -> dict:
     """Write ``blobs`` back to back into the file at ``path`` (whatever it held before is
     overwritten and cut off), then ``trailer`` as a chunk of its own, fsync it, return its record.
@@ -221,11 +225,15 @@ def write_chunked(
     its own, so that reading them reads nothing else. ``footer``: the chunk table is written
     after the chunks (format 4), the record gives its length and CRC (``footer``) and the
     file's logical size instead of needing the table itself in the manifest.
+    ``yielding``: a thread that yields to training (``_background``), which then makes the
+    writes that go through the page cache: the kernel copies every byte there, a core's
+    work at the disk's speed, which made a matmul step 2-3x slower beside the calling
+    thread (measured). A direct write costs the CPU little, and is the caller's. ``late()``:
+    the work has yielded long enough (``_background``): the caller then makes those writes,
+    and runs the queued tasks of a ``YieldingPool`` ``pool`` it waits for, itself.
     """
     await_bytes = ready or (lambda end: None)
     codec_id = CODECS[codec]
-    chunks: list[list[int]] = []
-    logical = stored = 0
     if contiguous is not None and sum(len(b) for b in blobs) != len(contiguous):
         raise ValueError(f"{path}: the blobs hold {sum(len(b) for b in blobs)} bytes, the buffer {len(contiguous)}")
     # not truncated on open: a file already at ``path`` (a recycled one, see
@@ -238,47 +246,79 @@ def write_chunked(
         if writer is not None and writer.fd is not None:
             chunks = _write_raw_direct(writer, fd, blobs, chunk_bytes, pool, await_bytes)
             return _finish(fd, chunks, len(writer.source), len(writer.source), trailer, footer)
+        return _BufferedWrite(fd, writer, blobs, codec_id, chunk_bytes, pool, lookahead, await_bytes,
+                              yielding, late).run(trailer, footer)
+    finally:
+        if writer is not None:
+            writer.close()
+        os.close(fd)
 
-        def encode(batch: list[tuple[memoryview, int]]) -> list[tuple[int, memoryview | bytes, int, int]]:
-            await_bytes(batch[-1][1])
-            encoded = []
-            for data, _ in batch:
-                payload, used = _encode(data, codec_id)
-                encoded.append((len(data), payload, used, crc32(payload)))
-            return encoded
 
+@dataclass
+class _BufferedWrite:
+    """``write_chunked``'s path through the page cache (a codec, no direct I/O, or a
+    direct writer fallen back): each run of chunks encoded on ``pool``, up to ``lookahead``
+    runs ahead, and written in order as it comes back, by ``yielding`` if given and the
+    work is not ``late``."""
+
+    fd: int
+    writer: _DirectWriter | None  # fallen back to buffered writes from where it is
+    blobs: Iterable[memoryview]
+    codec_id: int
+    chunk_bytes: int
+    pool: Executor
+    lookahead: int
+    await_bytes: Callable[[int], None]
+    yielding: Executor | None
+    late: Callable[[], bool] | None
+
+    def _encode(self, batch: list[tuple[memoryview, int]]) -> list[tuple[int, memoryview | bytes, int, int]]:
+        self.await_bytes(batch[-1][1])
+        encoded = []
+        for data, _ in batch:
+            payload, used = _encode(data, self.codec_id)
+            encoded.append((len(data), payload, used, crc32(payload)))
+        return encoded
+
+    def _write(self, views: list[tuple[memoryview, int]], last: bool) -> None:
+        """Each view at its offset, in order; ``last``: the file's last chunk is among them."""
+        for place, (view, at) in enumerate(views):
+            if self.writer is not None:
+                self.writer.advance(at + len(view), self.fd, final=last and place == len(views) - 1)
+            else:
+                pwrite_all(self.fd, view, at)
+                start_writeback(self.fd, at, len(view))
+
+    def run(self, trailer: bytes, footer: bool) -> dict:
+        """Every chunk written, then ``_finish``: the file's record."""
+        chunks: list[list[int]] = []
+        logical = stored = 0
         pending: list = []
-        batches = iter(_batches(blobs, chunk_bytes))
+        batches = iter(_batches(self.blobs, self.chunk_bytes))
 
         def refill() -> None:
-            while len(pending) < lookahead:
+            while len(pending) < self.lookahead:
                 batch = next(batches, None)
                 if batch is None:
                     return
-                pending.append(pool.submit(encode, batch))
+                pending.append(self.pool.submit(self._encode, batch))
 
         refill()
         while pending:
             future = pending.pop(0)
             refill()
-            encoded = future.result()
-            for place, (length, payload, used, crc) in enumerate(encoded):
+            views = []
+            for length, payload, used, crc in finished(future, self.pool, self.late):
                 view = memoryview(payload)
-                if writer is not None:
-                    writer.advance(stored + len(view), fd, final=not pending and place == len(encoded) - 1)
-                else:
-                    written = 0
-                    while written < len(view):
-                        written += os.pwrite(fd, view[written:], stored + written)
-                    start_writeback(fd, stored, len(view))
+                views.append((view, stored))
                 chunks.append([logical, length, stored, len(view), crc, used])
                 logical += length
                 stored += len(view)
-        return _finish(fd, chunks, logical, stored, trailer, footer)
-    finally:
-        if writer is not None:
-            writer.close()
-        os.close(fd)
+            if self.yielding is None or (self.late is not None and self.late()):
+                self._write(views, not pending)
+            else:
+                finished(self.yielding.submit(self._write, views, not pending), self.yielding, self.late)
+        return _finish(self.fd, chunks, logical, stored, trailer, footer)
 
 
 #: bytes per direct write. Why large: a direct write returns only once the device has the

@@ -22,13 +22,13 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from ._background import yield_to_training
+from ._background import YieldingPool, someone_waits, waiting, yield_limit
 from ._chunkio import fsync_dir, write_chunked
 from ._commit import commit_together
 from ._coord import Coordinator
@@ -80,12 +80,16 @@ class SaveHandle:
 
     def settled(self, timeout: float | None = None) -> bool:
         """Wait until committed or failed, without raising for a failure (a caller that
-        only needs the save's buffer back); whether it is."""
-        return self._done.wait(timeout)
+        only needs the save's buffer back); whether it is. Background work does not yield
+        to training meanwhile (``_background.waiting``)."""
+        if self._done.is_set():
+            return True
+        with waiting():
+            return self._done.wait(timeout)
 
     def result(self, timeout: float | None = None) -> None:
         """Block until committed; raise ``CommitError`` if it failed, ``TimeoutError`` if late."""
-        if not self._done.wait(timeout):
+        if not self.settled(timeout):
             raise TimeoutError(f"save of step {self.step} not committed within {timeout} s")
         if self._error is not None:
             raise self._error
@@ -145,7 +149,15 @@ class BackgroundWriter:
         self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
         # CRC32 (ISA-L's) runs at 16-21 GB/s on one core, far faster than the disks we write
         # to: one thread keeps up and leaves the other cores to training; zstd needs two.
-        self._pool = ThreadPoolExecutor(max_workers=2 if codec == "zstd" else 1, thread_name_prefix="resilient-encode")
+        # What yields to training (``_background``), until the save is late: the work that
+        # costs cores, zstd's threads and writes through the page cache (``write_chunked``'s
+        # ``yielding``). Not this thread, nor CRCs: a direct write of raw chunks is too
+        # little CPU to slow a step, and yielding made it 8x slower to become durable on
+        # cores that other processes keep busy (data-loader workers, say).
+        self._pool: Executor = YieldingPool(2, "resilient-encode", pure=True) if codec == "zstd" else ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="resilient-encode")
+        self._yielding = YieldingPool(1, "resilient-pagecache")
+        self._yield_limit = yield_limit()
         self._thread = threading.Thread(target=self._loop, name="resilient-writer", daemon=True)
         self._thread.start()
 
@@ -159,10 +171,10 @@ class BackgroundWriter:
         self._thread.join(timeout)
         alive = self._thread.is_alive()
         self._pool.shutdown(wait=not alive)
+        self._yielding.shutdown(wait=not alive)
         return not alive
 
     def _loop(self) -> None:
-        yield_to_training()  # the encode threads, started from here, inherit it
         while (job := self._jobs.get()) is not None:
             error: BaseException | None = None
             try:
@@ -207,6 +219,8 @@ class BackgroundWriter:
                 ready=job.snapshot.ready,  # a copy still running after save: written as it comes
                 trailer=trailer,
                 footer=True,
+                yielding=self._yielding,
+                late=lambda: someone_waits() or time.perf_counter() - job.handle.started > self._yield_limit,
             )
             if trailer:
                 rng = [job.plan.nbytes, len(trailer)]  # where in the file: its logical bytes
