@@ -41,12 +41,11 @@ def child(method: str, gb: float, busy: int, root: str) -> dict[str, Any]:
     """One run in this process: the save beside busy cores, the limit, the step's slowdown."""
     import torch
 
-    from benchmarks.bench_checkpoint import Method, build_state, step_slowdown
+    from benchmarks.bench_checkpoint import Method, build_state, local_nbytes, step_slowdown
 
     torch.set_num_threads(os.cpu_count() or 1)
     state = build_state(int(gb * GB), 1, "replicated")
-    nbytes = sum(t.numel() * t.element_size() for t in state["model"].values()) + sum(
-        t.numel() * t.element_size() for per in state["optim"]["state"].values() for t in per.values())
+    nbytes = local_nbytes(state)
     saver = Method(method, os.path.join(root, "ckpt"), state, 0, 1, "replicated")
     try:
         saver.save(1)  # buffers made, files laid out: every later save is a steady one

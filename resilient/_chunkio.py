@@ -112,11 +112,12 @@ class _DirectWriter:
     device (``O_DIRECT``), the last partial page through the page cache.
 
     Why: a buffered write copies every byte into the page cache first, which costs a core
-    at the disk's speed and, when the cores are busy training, runs at the writer's low
-    priority. Measured here (2 GB, fsync'd): 0.3-1.0 GB/s buffered against 2.5 GB/s direct,
-    and 4 GB written under a training loop on both cores took 8 s direct while the buffered
-    writer had not finished after 120 s. Where the file system refuses direct I/O (older
-    tmpfs, some network file systems) the writer falls back to buffered writes from where it is.
+    at the disk's speed, so it yields to training (``write_chunked``'s ``yielding``), and
+    when the cores are busy it is slow. Measured here (2 GB, fsync'd): 0.3-1.0 GB/s buffered
+    against 2.5 GB/s direct, and 4 GB written under a training loop on both cores took 8 s
+    direct while the buffered writer, yielding throughout as all writes did then, had not
+    finished after 120 s. Where the file system refuses direct I/O (older tmpfs, some network
+    file systems) the writer falls back to buffered writes from where it is.
     """
 
     def __init__(self, path: str, source: memoryview) -> None:
