@@ -13,7 +13,8 @@ What remains is the kernel's own writeback work and memory bandwidth, which no n
 reaches.
 
 Yielding is for the work that costs cores (zstd, copies into the page cache, uploads, page
-faults ahead of the first save), and it is bounded, since it has a price: a thread at nice
+faults ahead of the first save), and for a save's writes it is bounded, since it has a
+price: a thread at nice
 19 gets about 1.5% of a core that a process at the default priority keeps busy, and
 data-loader workers often keep every core busy. Measured here with two spinning processes
 (``bench_busy_cores``), 0.5 GB written through the page cache took 75 s to become durable,
@@ -24,7 +25,8 @@ is older than ``RESILIENT_BACKGROUND_YIELD_S`` (default 10). A thread cannot tak
 nice value back without privileges, so the waiter runs the queued tasks itself, at its own
 priority. Direct writes of raw chunks and their CRCs do not yield at all: they are too
 little CPU to slow a step (measured: 1.0x either way), and yielding made them 8x slower
-to become durable beside busy cores.
+to become durable beside busy cores. The uploader and the prewarm still yield throughout
+(one thread each, whose work is not split into tasks a waiter could take).
 """
 
 from __future__ import annotations
