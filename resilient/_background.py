@@ -14,17 +14,17 @@ reaches.
 
 Yielding is for the work that costs cores (zstd, copies into the page cache, uploads, page
 faults ahead of the first save), and for a save's writes it is bounded, since it has a
-price: a thread at nice
-19 gets about 1.5% of a core that a process at the default priority keeps busy, and
-data-loader workers often keep every core busy. Measured here with two spinning processes
-(``bench_busy_cores``), 0.5 GB written through the page cache took 75 s to become durable,
-with zstd 68 s, against 0.5 s written direct at the default priority. So a
+price: a thread at nice 19 gets about 1.5% of a core that a process at the default priority
+keeps busy, and data-loader workers often keep every core busy. Measured here beside two
+spinning processes (``bench_busy_cores``, 1 GB), a save written through the page cache took
+123 s to become durable, with zstd 135 s, and a direct one 8.1 s, when every write yielded;
+0.67 s direct at the default priority. So a
 ``YieldingPool`` stops yielding once the work is late: when a thread waits for it
 (``waiting``: training gains nothing from work it is blocked on) or once the save it serves
 is older than ``RESILIENT_BACKGROUND_YIELD_S`` (default 10). A thread cannot take its own
 nice value back without privileges, so the waiter runs the queued tasks itself, at its own
 priority. Direct writes of raw chunks and their CRCs do not yield at all: they are too
-little CPU to slow a step (measured: 1.0x either way), and yielding made them 8x slower
+little CPU to slow a step (measured: 1.0-1.1x either way), and yielding made them 12x slower
 to become durable beside busy cores. The uploader and the prewarm still yield throughout
 (one thread each, whose work is not split into tasks a waiter could take).
 """
@@ -110,6 +110,7 @@ def waiting() -> Iterator[None]:
 
 
 def someone_waits() -> bool:
+    """Whether any thread is inside ``waiting`` now: a save's work is then late."""
     return _waiters > 0
 
 

@@ -152,8 +152,8 @@ class BackgroundWriter:
         # What yields to training (``_background``), until the save is late: the work that
         # costs cores, zstd's threads and writes through the page cache (``write_chunked``'s
         # ``yielding``). Not this thread, nor CRCs: a direct write of raw chunks is too
-        # little CPU to slow a step, and yielding made it 8x slower to become durable on
-        # cores that other processes keep busy (data-loader workers, say).
+        # little CPU to slow a step, and yielding made it 12x slower to become durable on
+        # cores that other processes keep busy (data-loader workers, say; bench_busy_cores).
         self._pool: Executor = YieldingPool(2, "resilient-encode", pure=True) if codec == "zstd" else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="resilient-encode")
         self._yielding = YieldingPool(1, "resilient-pagecache")
