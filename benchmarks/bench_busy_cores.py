@@ -30,11 +30,41 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from benchmarks.common import GB, in_rounds, rendered, reported, write_file
 
 METHODS = ["resilient", "resilient(buffered)", "resilient(zstd)", "dcp.async_save+DefaultStager"]
+
+
+@contextmanager
+def spinning(busy: int) -> Iterator[None]:
+    """``busy`` processes that keep a core each busy at the default priority meanwhile."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options both busy-cores benchmarks take."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--gb", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--busy", type=int, default=os.cpu_count() or 1, help="spinning processes (default: one a core)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    return p
+
+
+def footer(runs: list[dict[str, Any]], rounds: int) -> str:
+    return f"\n\n{runs[0]['gb']:g} GB state, {runs[0]['busy']} busy process(es), {rounds} round(s)"
 
 
 def child(method: str, gb: float, busy: int, root: str) -> dict[str, Any]:
@@ -49,17 +79,12 @@ def child(method: str, gb: float, busy: int, root: str) -> dict[str, Any]:
     saver = Method(method, os.path.join(root, "ckpt"), state, 0, 1, "replicated")
     try:
         saver.save(1)  # buffers made, files laid out: every later save is a steady one
-        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-        try:
+        with spinning(busy):
             stall, durable = saver.save(2)  # as a training loop that goes on
             _, waited = saver.save(3, waited=True)  # as wait() at the end, or on SIGTERM
             probe = os.path.join(root, "limit.bin")
             limit = min(write_file(probe, nbytes, direct=True), write_file(probe, nbytes))
             os.unlink(probe)
-        finally:
-            for spinner in spinners:
-                spinner.kill()
-                spinner.wait()
         while_written, _ = step_slowdown(saver, 4)
     finally:
         saver.close()
@@ -92,22 +117,13 @@ def table(runs: list[dict[str, Any]]) -> str:
                     f"({_cell([r['durable_s'] / r['limit_s'] for r in mine], '{:.1f}')}×) "
                     f"| {_cell([r['waited_s'] for r in mine], '{:.2f}')} s "
                     f"| {_cell([r['slowdown'] for r in mine], '{:.2f}')}× |")
-    first = runs[0]
-    return "\n".join(rows) + (f"\n\n{first['gb']:g} GB state, {first['busy']} busy process(es), "
-                              f"{len(runs) // max(1, len({r['method'] for r in runs}))} round(s)")
+    return "\n".join(rows) + footer(runs, len(runs) // max(1, len({r["method"] for r in runs})))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gb", type=float, default=1.0)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--busy", type=int, default=os.cpu_count() or 1, help="spinning processes (default: one a core)")
+    p = parser(__doc__)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    p.add_argument("--out", default=None, help="JSON results")
-    p.add_argument("--render", metavar="JSON", help="print the table of an earlier run's JSON and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.gb, args.busy, args.root)), flush=True)

@@ -9,6 +9,7 @@ complete, so a reader of the destination never sees a half-copied step as commit
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
+from ._background import drain
 from ._catalog import READ_SPAN, Catalog, spans
 from ._chunk_table import footer_bytes
 from ._chunkio import pwrite_all
@@ -43,6 +45,7 @@ def copy_step(
     commit: bool = True,
     mark_checked: bool = False,
     workers: int = 4,
+    run_pieces: Callable[[Iterator[object]], None] = drain,
 ) -> int:
     """Copy committed ``step`` from ``src`` to ``dst``; return the bytes copied.
 
@@ -53,6 +56,9 @@ def copy_step(
     ``mark_checked``: give each file its ``checked_marker`` once its checksums have passed,
     for the rank that commits the step from the nodes' uploads (``missing_files``); a file
     already there is then kept only with its marker, and uploaded again otherwise.
+    ``run_pieces``: how the work read from a local source is run, piece by piece (its
+    checksums, a copy to a local directory): in the calling thread, or, for the uploader,
+    by a thread that yields to training until someone waits (``_background.in_pieces``).
     """
     manifest, commit_record = src.manifest_and_record(step)
     sdir = step_dir_name(step)
@@ -96,12 +102,12 @@ def copy_step(
             if isinstance(src.storage, LocalStorage):
                 # it may be an upload whose checksums failed beside it, the process dying
                 # before it deleted it: what is committed there was read here and checked
-                _checked_or_removed(lambda: _drain(stream()), dst, path)
+                _checked_or_removed(lambda: run_pieces(stream()), dst, path)
             return 0
         if isinstance(src.storage, LocalStorage):
             # the backend uploads the file its own way (S3: concurrent multipart) while its
             # checksums are checked from the local disk beside it (``_put_checked``)
-            _put_checked(lambda: _drain(stream()), dst, src.storage.local_path(path), path)
+            _put_checked(stream, dst, src.storage.local_path(path), path, run_pieces)
         elif isinstance(dst, LocalStorage) and _back_to_back(src.table(manifest, step, fname), record):
             _download(src, dst, step, fname, manifest, span_workers, report)
         else:
@@ -208,14 +214,11 @@ def _replace_local(src: Catalog, dst: LocalStorage, step: int, progress: Callabl
     return total
 
 
-def _drain(chunks: Iterator[memoryview]) -> None:
-    for _ in chunks:
-        pass
-
-
-def _put_checked(check: Callable[[], None], dst: Storage, local_path: str, path: str) -> None:
-    """Upload ``local_path`` to ``path`` while ``check()`` (its checksums, read from the local
-    disk) runs beside it; a file that fails its check is deleted from ``dst`` again.
+def _put_checked(checking: Callable[[], Iterator[object]], dst: Storage, local_path: str, path: str,
+                 run_pieces: Callable[[Iterator[object]], None] = drain) -> None:
+    """Upload ``local_path`` to ``path`` while ``checking()`` (its checksums, read from the
+    local disk, in pieces run by ``run_pieces``) runs beside it; a file that fails its check
+    is deleted from ``dst`` again.
 
     Why beside and not first: checking 0.5 GB takes 0.4-0.6 s of one core here, which an
     upload waited for; against an object store as fast as the disk that halves the upload's
@@ -226,11 +229,10 @@ def _put_checked(check: Callable[[], None], dst: Storage, local_path: str, path:
     directory is checked first: it is no slower than the check, and a bad file then leaves
     not even its step's directory behind."""
     if isinstance(dst, LocalStorage):
-        check()
-        dst.put_file(local_path, path)
+        run_pieces(itertools.chain(checking(), dst.putting(local_path, path)))
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-check") as pool:
-        checked = pool.submit(check)
+        checked = pool.submit(lambda: run_pieces(checking()))
         try:
             dst.put_file(local_path, path)
         except BaseException:

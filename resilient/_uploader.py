@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from ._background import jitter, yield_to_training
+from ._background import YieldingPool, in_pieces, jitter, someone_waits, waiting
 from ._catalog import Catalog
 from ._errors import CheckpointCorruptError
 from ._format import BAD_DIR
@@ -171,6 +171,9 @@ class Uploader:
         self._cond = threading.Condition()
         self._closed = False
         self._caught_up = False
+        # the work that costs cores (checksums, copies to a local directory) runs on these
+        # yielding threads until it is late (``_late``); this thread, which mostly waits, not
+        self._yielding = YieldingPool(4, "resilient-upload")
         self._thread = threading.Thread(target=self._loop, name="resilient-uploader", daemon=True)
         self._thread.start()
 
@@ -210,7 +213,7 @@ class Uploader:
         missing there; when none was found, there is nothing to wait for (a process that
         saved nothing, with the store unreachable, waited out the whole flush timeout)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with waiting(), self._cond:  # waited for: the upload stops yielding (``_late``)
             while self._queue or (not self._caught_up and self._found_at_start):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -231,6 +234,18 @@ class Uploader:
             self._cond.notify_all()
         if wait:
             self._thread.join(timeout=timeout)
+        self._yielding.shutdown(wait=False)
+
+    def _late(self) -> bool:
+        """Whether the upload in hand is to stop yielding to training: a thread waits for it
+        (``flush``, a preemption's drain, ``close``), or a newer step is queued behind it.
+        Yielding throughout, beside busy cores, an upload fell ever further behind the saves,
+        and retention let each step go before it was up: the remote tier got none. Not after
+        some seconds, as a save's own work: an upload to a store takes minutes by nature."""
+        if someone_waits():
+            return True
+        with self._cond:
+            return len(self._queue) > 1
 
     # -- the thread ---------------------------------------------------------------------------
     def _retrying(self, what: str, fn: Callable[[], object], fatal: tuple[type[Exception], ...] = (),
@@ -286,7 +301,6 @@ class Uploader:
             self.on_uploaded(step, None)  # found there, not uploaded now
 
     def _loop(self) -> None:
-        yield_to_training()
         if not self._retrying(f"listing {self.remote.storage.url}", self._catch_up):
             return
         while True:
@@ -407,7 +421,8 @@ class Uploader:
 
     def _upload_own(self, step: int) -> None:
         self.uploaded_bytes += copy_step(self.local, self.remote.storage, step, skip_present=True,
-                                         only_present=True, commit=False, mark_checked=True)
+                                         only_present=True, commit=False, mark_checked=True,
+                                         run_pieces=lambda pieces: in_pieces(pieces, self._yielding, self._late))
 
     def _let_go(self) -> list[int]:
         """(Holding the lock.) The queued steps remote retention lets go among the queue:

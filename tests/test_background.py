@@ -1,8 +1,9 @@
-"""Background work that costs cores (zstd, writes through the page cache, uploads) runs at a
-lower CPU priority than the training thread (its own nice value), so a busy step is served
-first; the rest of a save (the writer, direct writes and their CRCs) does not, and work that
-is late (a thread waits for it, or its save is older than RESILIENT_BACKGROUND_YIELD_S) is
-done at the job's priority by the thread that waits for it."""
+"""Background work that costs cores (zstd, writes through the page cache, uploads, the first
+touch of a staging buffer) runs at a lower CPU priority than the training thread (its own
+nice value), so a busy step is served first; the rest of a save (the writer, direct writes
+and their CRCs) does not, and work that is late (a thread waits for it, its save is older
+than RESILIENT_BACKGROUND_YIELD_S, a newer step waits behind an upload) is done at the job's
+priority by the thread that needs it, after the piece a yielding thread has in hand."""
 
 import os
 import threading
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from resilient import Checkpointer
-from resilient._background import YieldingPool, someone_waits, waiting
+from resilient._background import Handover, YieldingPool, in_pieces, someone_waits, waiting
+from resilient._names import parse_data_file, step_dir_name
+from resilient._snapshot import Staging
+from resilient._storage import LocalStorage
 from resilient._writer import SaveHandle
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,11 +69,14 @@ def test_only_the_work_that_costs_cores_runs_niced(tmp_path, monkeypatch, settin
         _settle_unwatched(ckpt.save(1, state))
         ckpt.flush(timeout=30)  # the uploader has run
         mine = {t.name: t for t in threading.enumerate() if t not in earlier and t.name.startswith("resilient-")}
-        for prefix in ("resilient-encode", "resilient-pagecache", "resilient-uploader"):
+        for prefix in ("resilient-encode", "resilient-pagecache", "resilient-upload_"):
             found = [t for name, t in mine.items() if name.startswith(prefix)]
             assert found, (prefix, sorted(mine))
             assert all(_nice(t.native_id) == niced for t in found), prefix
+        # the threads that mostly wait: the writer, and the uploader, which hands its
+        # checksums and copies to the yielding ``resilient-upload_`` threads
         assert _nice(mine["resilient-writer"].native_id) == base
+        assert _nice(mine["resilient-uploader"].native_id) == base
     with Checkpointer(str(tmp_path / "direct"), direct_io=True) as ckpt:  # raw chunks, written direct
         earlier = set(threading.enumerate())
         _settle_unwatched(ckpt.save(1, state))
@@ -151,3 +158,175 @@ def test_a_thread_waiting_for_a_save_stops_the_yielding_until_it_is_settled():
     with waiting():
         assert someone_waits()
     assert not someone_waits()
+
+
+def _noting(pieces, seen: list, hold: threading.Event | None = None):
+    """``pieces``, each noting the thread that runs it and that thread's nice value; the
+    first held (its thread waits) until ``hold`` is set."""
+    for i, piece in enumerate(pieces):
+        seen.append((threading.current_thread().name, _nice(threading.get_native_id())))
+        if i == 0 and hold is not None:
+            assert hold.wait(30), "never released"
+        yield piece
+
+
+def _recorded(n: int, seen: list, hold: threading.Event | None = None):
+    return _noting(range(n), seen, hold)
+
+
+class Stops:
+    """An event set once a ``Handover`` has been told to stop (by ``take``): a piece held
+    until then is the piece in hand when its yielding thread was stopped."""
+
+    def __init__(self, monkeypatch):
+        self.event = threading.Event()
+        stop = Handover.stop
+
+        def noting(handover):
+            stop(handover)
+            self.event.set()
+
+        monkeypatch.setattr(Handover, "stop", noting)
+
+
+def _niced() -> tuple[int, int]:
+    """(the job's nice value, a yielding thread's) with the default setting."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    return base, min(19, base + 19)
+
+
+def test_a_handover_leaves_the_rest_to_whoever_takes_it_after_the_piece_in_hand(monkeypatch):
+    monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
+    base, niced = _niced()
+    stops = Stops(monkeypatch)
+    seen: list = []
+    work = Handover(_recorded(5, seen, hold=stops.event))
+    pool = YieldingPool(1, "test-handover")
+    try:
+        pool.submit(work.run)
+        deadline = time.monotonic() + 10
+        while not seen:  # the worker is in its first piece, held
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        work.take()  # stops the worker, waits for its piece, does the rest here
+    finally:
+        pool.shutdown()
+    me = threading.current_thread().name
+    assert seen[0][0].startswith("test-handover") and seen[0][1] == niced
+    assert seen[1:] == [(me, base)] * 4
+
+
+def test_in_pieces_runs_what_is_late_in_the_caller_and_raises_the_workers_error(monkeypatch):
+    monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
+    base, niced = _niced()
+    pool = YieldingPool(1, "test-pieces")
+    release = threading.Event()
+    try:
+        seen: list = []
+        in_pieces(_recorded(3, seen), pool, late=lambda: False)  # not late: the yielding thread does all
+        assert [nice for _, nice in seen] == [niced] * 3 and all(n.startswith("test-pieces") for n, _ in seen)
+
+        def failing():
+            yield
+            raise OSError("disk gone")
+
+        with pytest.raises(OSError, match="disk gone"):  # raised on the worker, given to the caller
+            in_pieces(failing(), pool, late=lambda: False)
+        pool.submit(release.wait, 30)  # the one worker, held: the work is queued behind it
+        seen.clear()
+        in_pieces(_recorded(3, seen), pool, late=lambda: True)
+        assert seen == [(threading.current_thread().name, base)] * 3
+    finally:
+        release.set()
+        pool.shutdown()
+
+
+class HeldCopies:
+    """The nice value of each piece of the uploader's copies of data files to a local
+    directory (pieces of 1 MB), the first piece of the first copy held until its yielding
+    thread is stopped."""
+
+    def __init__(self, monkeypatch):
+        self.seen: list[tuple[str, int]] = []
+        self.held = threading.Event()
+        stops = Stops(monkeypatch)
+        putting = LocalStorage.putting
+
+        def recording(storage, local_path, path, piece=1 << 20):
+            for n in putting(storage, local_path, path, 1 << 20):
+                if parse_data_file(os.path.basename(path)) is not None:
+                    self.seen.append((path, _nice(threading.get_native_id())))
+                    if not self.held.is_set():
+                        self.held.set()
+                        assert stops.event.wait(30), "the copy was never taken over"
+                yield n
+
+        monkeypatch.setattr(LocalStorage, "putting", recording)
+
+    def of(self, step: int) -> list[int]:
+        return [nice for path, nice in self.seen if path.startswith(f"{step_dir_name(step)}/")]
+
+
+def test_a_flush_takes_over_the_upload_at_the_jobs_priority(tmp_path, monkeypatch):
+    """A flush (a preemption's drain, a close) is a thread waiting for the upload: beside
+    busy cores, a yielding copy took 128 s where one at the job's priority took 3.8 s."""
+    monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
+    base, niced = _niced()
+    copies = HeldCopies(monkeypatch)
+    state = {"w": torch.randn(1 << 20)}  # 4 MB: four pieces
+    with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False) as ckpt:
+        _settle_unwatched(ckpt.save(1, state))
+        assert copies.held.wait(30)  # the upload's first piece, yielding, held until taken over
+        ckpt.flush(timeout=60)
+        assert ckpt._uploader.uploaded(1)
+    pieces = copies.of(1)
+    assert len(pieces) >= 4 and pieces[0] == niced and set(pieces[1:]) == {base}, pieces
+
+
+def test_an_upload_a_newer_step_waits_behind_stops_yielding(tmp_path, monkeypatch):
+    """Yielding throughout beside busy cores, uploads fell behind the saves, and retention
+    let every step go before it was up. The next step's upload, with none behind it, yields."""
+    monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
+    base, niced = _niced()
+    copies = HeldCopies(monkeypatch)
+    state = {"w": torch.randn(1 << 20)}
+    with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False) as ckpt:
+        _settle_unwatched(ckpt.save(1, state))
+        assert copies.held.wait(30)
+        _settle_unwatched(ckpt.save(2, state))  # committed here, queued behind step 1
+        deadline = time.monotonic() + 60
+        while not ckpt._uploader.uploaded(2):  # watched, not waited for (a flush would end the yielding)
+            assert time.monotonic() < deadline, "the uploads did not finish"
+            time.sleep(0.02)
+    first, second = copies.of(1), copies.of(2)
+    assert first[0] == niced and len(first) >= 4 and set(first[1:]) == {base}, first
+    assert len(second) >= 4 and set(second) == {niced}, second
+
+
+def test_the_first_save_takes_over_the_prewarm_at_its_priority(monkeypatch):
+    """The prewarm yields; the save that needs its buffer touches the rest itself."""
+    monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
+    base, niced = _niced()
+    monkeypatch.setattr("resilient._snapshot._TOUCH_PIECE", 1 << 20)
+    stops = Stops(monkeypatch)
+    seen: list = []
+    allocating = Staging._allocating
+
+    def recording(staging, nbytes, pin):
+        return _noting(allocating(staging, nbytes, pin), seen, stops.event)
+
+    monkeypatch.setattr(Staging, "_allocating", recording)
+    staging = Staging()
+    try:
+        staging.prewarm(8 << 20, pin=False)
+        deadline = time.monotonic() + 10
+        while not seen:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        buffer = staging._ensure(8 << 20, False)
+    finally:
+        staging.close()
+    me = threading.current_thread().name
+    assert buffer.numel() >= 8 << 20 and not bool(buffer[: 8 << 20].any())
+    assert seen[0][0] == "resilient-prewarm" and seen[0][1] == niced
+    assert len(seen) >= 8 and set(seen[1:]) == {(me, base)}, seen
