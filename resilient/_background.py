@@ -12,9 +12,8 @@ the GPU computes, is not slower. Threads a background thread starts inherit its 
 What remains is the kernel's own writeback work and memory bandwidth, which no nice value
 reaches.
 
-Yielding is for the work that costs cores (zstd, copies into the page cache, uploads, page
-faults ahead of the first save), and for a save's writes it is bounded, since it has a
-price: a thread at nice 19 gets about 1.5% of a core that a process at the default priority
+Yielding is for the work that costs cores (zstd, copies into the page cache, uploads), and
+for a save's writes it is bounded, since it has a price: a thread at nice 19 gets about 1.5% of a core that a process at the default priority
 keeps busy, and data-loader workers often keep every core busy. Measured here beside two
 spinning processes (``bench_busy_cores``, 1 GB), a save written through the page cache took
 123 s to become durable, with zstd 135 s, and a direct one 8.1 s, when every write yielded;
@@ -25,11 +24,12 @@ is older than ``RESILIENT_BACKGROUND_YIELD_S`` (default 10). A thread cannot tak
 nice value back without privileges, so the waiter runs the queued tasks itself, at its own
 priority. Direct writes of raw chunks and their CRCs do not yield at all: they are too
 little CPU to slow a step (measured: 1.0-1.1x either way), and yielding made them 12x slower
-to become durable beside busy cores. Work that is one long job rather than many tasks (an
-upload's checksums and copies, the first touch of a staging buffer) is done in bounded pieces
-(``Handover``, ``in_pieces``): a yielding thread does them until someone needs the work, who
-then takes the rest. An upload is late when a thread waits for it (``flush``) or a newer step
-is queued behind it; a prewarm when the first save needs its buffer.
+to become durable beside busy cores. An upload is one long job rather than many tasks, so
+its checksums and copies go in bounded pieces (``Handover``, ``in_pieces``): a yielding
+thread does them until the upload is late (a thread waits for it, ``flush``, or a newer step
+is queued behind it), and then the thread that drives the upload does the rest. The first
+touch of a staging buffer (``Staging.prewarm``) does not yield: it is done once, and mostly
+in the kernel, where a niced thread can hold a lock the training thread's page faults need.
 """
 
 from __future__ import annotations
@@ -213,10 +213,11 @@ def finished(future: Future, pool: Executor, late: Callable[[], bool] | None) ->
 
 
 class Handover:
-    """Work in bounded pieces (``pieces``: each step of the iterator does one) that a yielding
-    thread does (``run``) until whoever needs it done takes the rest (``take``) and does it
-    at its own priority. Why: a thread cannot take its nice value back, so work begun on a
-    yielding thread would stay at 1.5% of a busy core however long someone waits for it.
+    """Work in bounded pieces (``pieces``: each step of the iterator does one) that a
+    background thread does (``run``) until whoever needs it done takes the rest (``take``)
+    and does it at its own priority, or stops it (``stop``: work that may run on beside its
+    taker). Why: a thread cannot take its nice value back, so work begun on a yielding
+    thread would stay at 1.5% of a busy core however long someone waits for it.
     Measured here beside two spinning processes (0.5 GB, a local-directory remote tier): a
     ``flush`` took 128 s, against 3.3 s with the cores idle, while one niced thread copied.
     The piece in hand when the work is taken is finished by the thread that began it."""

@@ -33,14 +33,15 @@ BAD_REASON_BYTES = 4096
 READ_SPAN = 64 << 20  # bytes fetched per request when streaming a file
 
 
-def spans(chunks: Sequence[list[int]]) -> list[list[list[int]]]:
-    """Consecutive chunks grouped into requests of at most ``READ_SPAN`` stored bytes (a
-    larger chunk alone)."""
+def spans(chunks: Sequence[list[int]], limit: int | None = None) -> list[list[list[int]]]:
+    """Consecutive chunks grouped into requests of at most ``limit`` (default ``READ_SPAN``)
+    stored bytes (a larger chunk alone)."""
+    limit = READ_SPAN if limit is None else limit
     out: list[list[list[int]]] = []
     i = 0
     while i < len(chunks):
         j, start = i, chunks[i][2]
-        while j < len(chunks) and chunks[j][2] + chunks[j][3] - start <= max(READ_SPAN, chunks[i][3]):
+        while j < len(chunks) and chunks[j][2] + chunks[j][3] - start <= max(limit, chunks[i][3]):
             j += 1
         out.append(list(chunks[i:j]))
         i = j
@@ -191,12 +192,13 @@ class Catalog:
         return record["bytes"] - size, pack_footer(list(self.table(manifest, step, fname)))
 
     def chunks(
-        self, step: int, fname: str, chunks: Sequence[list[int]], *, decode: bool = True
+        self, step: int, fname: str, chunks: Sequence[list[int]], *, decode: bool = True, span: int | None = None
     ) -> Iterator[tuple[list[int], memoryview]]:
         """Yield (chunk, its logical bytes, or its stored bytes without ``decode``) for
-        consecutive chunks, fetched in large spans, each checked against its CRC."""
-        for span in spans(chunks):
-            yield from self.read_span(step, fname, span, decode=decode)
+        consecutive chunks, fetched in spans of ``span`` bytes (``spans``), each checked
+        against its CRC."""
+        for group in spans(chunks, span):
+            yield from self.read_span(step, fname, group, decode=decode)
 
     def read_span(
         self, step: int, fname: str, span: list[list[int]], *, decode: bool = True

@@ -24,7 +24,7 @@ import torch
 
 from ._chunkio import DIRECT_ALIGN
 
-__all__ = ["HUGE_PAGE", "HostBuffer", "page_aligned_empty", "advise_huge_pages"]
+__all__ = ["HUGE_PAGE", "HostBuffer", "page_aligned_empty", "advise_huge_pages", "can_populate", "populate"]
 
 log = logging.getLogger("resilient")
 
@@ -70,6 +70,34 @@ def page_aligned_empty(nbytes: int) -> torch.Tensor:
     if align == HUGE_PAGE:
         advise_huge_pages(buffer)
     return buffer
+
+
+#: ``madvise`` advice (Linux 5.14+): fault pages in, writable, as a write would, without
+#: writing (Python 3.11's ``mmap`` has no name for it)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def populate(buffer: torch.Tensor) -> bool:
+    """Fault ``buffer``'s pages in (a page-aligned start), leaving its bytes as they are;
+    False where the kernel cannot. Why not zero them: populating may run beside a thread
+    that writes into the buffer, which a zeroing thread would undo."""
+    libc = _libc()
+    if libc is None or buffer.numel() == 0:
+        return False
+    if libc.madvise(buffer.data_ptr(), buffer.numel() * buffer.element_size(), MADV_POPULATE_WRITE) != 0:
+        log.debug("resilient: madvise(MADV_POPULATE_WRITE) refused: errno %d", ctypes.get_errno())
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def can_populate() -> bool:
+    """Whether ``populate`` works here (asked once, of a page of our own)."""
+    page = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE)
+    try:
+        return populate(torch.frombuffer(page, dtype=torch.uint8))
+    finally:
+        page.close()
 
 
 class HostBuffer:

@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ._background import Handover, drain, yield_to_training
+from ._background import Handover, drain
 from ._errors import UnsupportedStateError
 from ._fence import CopyProgress, CopyThread, StagingFence, register
-from ._hostmem import HostBuffer
+from ._hostmem import HostBuffer, can_populate, populate
 from ._layout import Box, shard_box, sharding_order
 
 __all__ = ["Blob", "RankPlan", "Staging", "is_dtensor", "dtensor_box", "byte_view", "bitwise", "local_tensor",
@@ -30,10 +30,9 @@ __all__ = ["Blob", "RankPlan", "Staging", "is_dtensor", "dtensor_box", "byte_vie
 
 log = logging.getLogger("resilient")
 
-#: bytes of a new staging buffer touched at a time (``Staging._allocating``): one huge page,
-#: about 3 ms at this VM's 1.45 s/GB. A save that takes over the prewarm waits for the piece
-#: in hand, which a yielding thread beside busy cores does some 60 times slower: with 64 MB
-#: pieces, a first save 0.5 s after ``prepare`` stalled longer than one with no prewarm.
+#: bytes of a new staging buffer touched at a time (``Staging._allocating``, ``_populating``):
+#: one huge page, about 3 ms at this VM's 1.45 s/GB, which is what a save that takes over a
+#: zeroing prewarm waits for, or runs beside
 _TOUCH_PIECE = 2 << 20
 
 
@@ -265,6 +264,14 @@ def _storage_short(name: str, t: torch.Tensor) -> UnsupportedStateError | None:
     return UnsupportedStateError(f"state[{name!r}]: {why}; save it while its storage is whole, or save the sharded state")
 
 
+def _populating(buffer: torch.Tensor) -> Iterator[None]:
+    """``buffer``'s pages faulted in, ``_TOUCH_PIECE`` bytes a step, its bytes unchanged."""
+    for start in range(0, buffer.numel(), _TOUCH_PIECE):
+        if not populate(buffer[start:start + _TOUCH_PIECE]):
+            return
+        yield
+
+
 class Staging:
     """One host buffer, allocated on first use and reused: memory does not grow per save.
 
@@ -280,7 +287,8 @@ class Staging:
         self._stream: Any = None
         self._copier = CopyThread()
         self._gaps_zeroed: tuple[RankPlan, int] | None = None  # (plan, buffer address)
-        self._warming: Handover | None = None  # ``prewarm``'s work, taken over before the buffer is used
+        self._warming: Handover | None = None  # ``prewarm``'s work, ended before the buffer is used
+        self._populating = False  # that work populates the buffer (changing no byte), or zeroes it
 
     @property
     def buffer(self) -> torch.Tensor | None:
@@ -292,36 +300,51 @@ class Staging:
         in the stall of the first save. Why: a new buffer's first touch is the kernel's (or,
         in a VM whose free memory goes back to its host, the host's) work, page by page:
         1 GB in huge pages took 1.45-1.51 s on this project's VM, against 0.14 s for a save's
-        copy of 1.64 GB into a touched one. The first save (``_ensure``) does what the
-        thread has left, at its own priority (``_join_warming``)."""
+        copy of 1.64 GB into a touched one. The first save does not wait for the thread's
+        work (``_join_warming``)."""
         self._join_warming()
         device = torch.cuda.current_device() if pin else None  # page-locked for this rank's device's context
-        self._warming = Handover(self._allocating(nbytes, pin))
+        self._populating = not pin and can_populate()
+        if self._populating:  # mapped here (no page touched: microseconds), populated there
+            drain(self._allocating(nbytes, pin, touch=False))
+            assert self._memory is not None
+            self._warming = Handover(_populating(self._memory.tensor))
+        else:  # registered with CUDA or zeroed there, piece by piece
+            self._warming = Handover(self._allocating(nbytes, pin))
         threading.Thread(target=self._warm, args=(self._warming, device), name="resilient-prewarm",
                          daemon=True).start()
 
     @staticmethod
     def _warm(work: Handover, device: int | None) -> None:
-        yield_to_training()
+        # at the job's priority, unlike other background work: it is done once, in pieces of
+        # a few ms, and mostly inside the kernel, where a thread at nice 19 that holds the
+        # process's memory-map lock (populating, registering with CUDA) makes the training
+        # thread's next allocation, and then its page faults, wait until it is scheduled
         if device is not None:
             torch.cuda.set_device(device)
         work.run()
 
     def _join_warming(self, wanted: bool = True) -> None:
-        """Finish ``prewarm``'s work here, at the caller's priority (``Handover``): yielding
-        throughout, beside busy cores, its thread took minutes over what the first save then
-        waited for. Not ``wanted`` (closing): it stops after the piece in hand."""
+        """End ``prewarm``'s work before the buffer is used. Waited for whole, beside busy
+        cores, its thread (at nice 19 then) held the first save for 18.5 s (1 GB,
+        ``bench_busy_drain``). Populating (which changes no byte) is stopped and not waited
+        for: its piece in hand runs on beside the save's copy, and the pages it has not
+        reached the copy faults in. Zeroing (where the kernel cannot populate) and a pinned
+        buffer's registration are taken over: what is left is done here, after the piece in
+        hand. Not ``wanted`` (closing): it stops after that."""
         work, self._warming = self._warming, None
         if work is None:
             return
-        if not wanted:
+        if self._populating:
+            work.stop()
+        elif not wanted:
             work.abandon()
-            return
-        try:
-            work.take()
-        except Exception as exc:  # noqa: BLE001 - out of memory, say: the save allocates again and says so
-            log.warning("resilient: could not prepare the staging buffer ahead of the first save (%s: %s)",
-                        type(exc).__name__, exc)
+        else:
+            try:
+                work.take()
+            except Exception as exc:  # noqa: BLE001 - out of memory, say: the save allocates again and says so
+                log.warning("resilient: could not prepare the staging buffer ahead of the first save (%s: %s)",
+                            type(exc).__name__, exc)
 
     def _ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
         self._join_warming()
@@ -329,16 +352,16 @@ class Staging:
         assert self._memory is not None
         return self._memory.tensor
 
-    def _allocating(self, nbytes: int, pin: bool) -> Iterator[None]:
+    def _allocating(self, nbytes: int, pin: bool, touch: bool = True) -> Iterator[None]:
         """A new buffer when the one held is too small or pinned otherwise: allocated, then
-        every page touched (so that no save's copy pays the first touch), one piece of
-        ``_TOUCH_PIECE`` bytes per step, so that a save can take over ``prewarm``'s work."""
+        (``touch``) every page zeroed, so that no save's copy pays the first touch, one piece
+        of ``_TOUCH_PIECE`` bytes per step, so that a save can take over ``prewarm``'s work."""
         if self._memory is not None and self._memory.tensor.numel() >= nbytes and self._memory.pinned == pin:
             return
         self._release()  # free the old one first: never hold two
         self._memory = HostBuffer(max(nbytes, 1), pin)
         flat = self._memory.tensor
-        for start in range(0, flat.numel(), _TOUCH_PIECE):
+        for start in range(0, flat.numel() if touch else 0, _TOUCH_PIECE):
             yield
             flat[start:start + _TOUCH_PIECE].zero_()
 

@@ -131,18 +131,8 @@ class LocalStorage:
         os.replace(tmp, full)
 
     def put_file(self, local_path: str, path: str) -> None:
-        for _ in self.putting(local_path, path):
-            pass
-
-    def putting(self, local_path: str, path: str, piece: int = 4 << 20) -> Iterator[int]:
-        """``put_file`` one piece (``piece`` bytes) per step, each step giving its size: a
-        copy a yielding thread begins can be finished by another (``_background.Handover``),
-        which waits for the piece in hand (a few ms at the job's priority). The file appears
-        complete and fsync'd after the last step, or not at all."""
-        with open(local_path, "rb") as f, self.creating(path) as fd, open(fd, "wb", closefd=False) as out:
-            while data := f.read(piece):
-                out.write(data)
-                yield len(data)
+        with open(local_path, "rb") as f:
+            self.write(path, iter(lambda: f.read(16 << 20), b""))
 
     def local_path(self, path: str) -> str:
         return self._p(path)

@@ -9,7 +9,6 @@ complete, so a reader of the destination never sees a half-copied step as commit
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import logging
 import os
@@ -19,7 +18,8 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ._background import drain
 from ._catalog import READ_SPAN, Catalog, spans
@@ -32,6 +32,11 @@ from ._storage import LocalStorage, Storage
 __all__ = ["copy_step", "commit_step", "missing_files", "ProgressLog"]
 
 log = logging.getLogger("resilient")
+
+#: stored bytes read at a time from a local source: a local read needs no large requests, and
+#: the piece of a copy a yielding thread has in hand, done at its share of a busy core (some
+#: 1.5%), is waited for by whoever takes the copy over (``_background.Handover``)
+LOCAL_SPAN = 8 << 20
 
 
 def copy_step(
@@ -78,6 +83,8 @@ def copy_step(
     # what each side holds, one listing each (not two requests per file)
     present = _sizes(dst, sdir) if skip_present else {}
     available = _sizes(src.storage, sdir) if only_present else {}
+    local_src = isinstance(src.storage, LocalStorage)
+    span = LOCAL_SPAN if local_src else None  # (None: READ_SPAN)
 
     def one(fname: str, record: dict) -> int:
         path = f"{sdir}/{fname}"
@@ -85,7 +92,7 @@ def copy_step(
             return 0
 
         def stream() -> Iterator[memoryview]:
-            for _, stored in src.chunks(step, fname, src.table(manifest, step, fname), decode=False):
+            for _, stored in src.chunks(step, fname, src.table(manifest, step, fname), decode=False, span=span):
                 if report:
                     report(len(stored))
                 yield stored
@@ -104,7 +111,9 @@ def copy_step(
                 # before it deleted it: what is committed there was read here and checked
                 _checked_or_removed(lambda: run_pieces(stream()), dst, path)
             return 0
-        if isinstance(src.storage, LocalStorage):
+        if local_src and isinstance(dst, LocalStorage):
+            run_pieces(_copying(src, dst, step, fname, manifest, report))  # each byte read once
+        elif local_src:
             # the backend uploads the file its own way (S3: concurrent multipart) while its
             # checksums are checked from the local disk beside it (``_put_checked``)
             _put_checked(stream, dst, src.storage.local_path(path), path, run_pieces)
@@ -181,17 +190,10 @@ def _download(src: Catalog, dst: LocalStorage, step: int, fname: str, manifest: 
     With one request at a time, a restore of 0.5 GB from one file (S3 protocol on loopback)
     reached 61% of the throughput of 8 plain concurrent ranged GETs of the same bytes; with
     this, 93%."""
-    with dst.creating(f"{step_dir_name(step)}/{fname}", manifest["files"][fname]["bytes"]) as fd:
-        at, footer = src.footer(manifest, step, fname)
-        pwrite_all(fd, memoryview(footer), at)
-        if progress and footer:
-            progress(len(footer))
+    with _creating(src, dst, step, fname, manifest, progress) as fd:
 
         def fetch(span: list[list[int]]) -> None:
-            for chunk, stored in src.read_span(step, fname, span, decode=False):
-                pwrite_all(fd, stored, chunk[2])
-                if progress:
-                    progress(len(stored))
+            drain(_written(fd, src.read_span(step, fname, span, decode=False), progress))
 
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resilient-download")
         try:
@@ -199,6 +201,40 @@ def _download(src: Catalog, dst: LocalStorage, step: int, fname: str, manifest: 
                 future.result()
         finally:  # a failed span: nothing more is fetched, and no thread writes after the file is gone
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _copying(src: Catalog, dst: LocalStorage, step: int, fname: str, manifest: dict,
+             progress: Callable[[int], None] | None) -> Iterator[None]:
+    """A data file from a local directory into another, each chunk written at its offset once
+    its CRC has passed, one chunk a step (for ``copy_step``'s ``run_pieces``); the file
+    appears complete and fsync'd, or not at all. Why not check, then copy: that read every
+    byte twice (the second time from the page cache, if it still held the file), and held
+    two passes' work for a yielding thread to be taken over from."""
+    with _creating(src, dst, step, fname, manifest, progress) as fd:
+        yield from _written(fd, src.chunks(step, fname, src.table(manifest, step, fname), decode=False,
+                                           span=LOCAL_SPAN), progress)
+
+
+@contextmanager
+def _creating(src: Catalog, dst: LocalStorage, step: int, fname: str, manifest: dict,
+              progress: Callable[[int], None] | None) -> Iterator[int]:
+    """A new data file of ``step`` in ``dst`` (``LocalStorage.creating``), its footer written."""
+    with dst.creating(f"{step_dir_name(step)}/{fname}", manifest["files"][fname]["bytes"]) as fd:
+        at, footer = src.footer(manifest, step, fname)
+        pwrite_all(fd, memoryview(footer), at)
+        if progress and footer:
+            progress(len(footer))
+        yield fd
+
+
+def _written(fd: int, chunks: Iterable[tuple[list[int], memoryview]],
+             progress: Callable[[int], None] | None) -> Iterator[None]:
+    """Checked chunks written at their offsets, one a step."""
+    for chunk, stored in chunks:
+        pwrite_all(fd, stored, chunk[2])
+        if progress:
+            progress(len(stored))
+        yield
 
 
 def _replace_local(src: Catalog, dst: LocalStorage, step: int, progress: Callable[[int], None] | None,
@@ -225,12 +261,8 @@ def _put_checked(checking: Callable[[], Iterator[object]], dst: Storage, local_p
     throughput. Nothing unchecked can be committed: the commit record is written after every
     file's ``copy_step`` returns (by rank 0, for the nodes' uploads, once each file has its
     ``checked_marker``), and a file left behind by a process that died before
-    deleting it is checked again before a later copy counts it as present. A copy to a local
-    directory is checked first: it is no slower than the check, and a bad file then leaves
-    not even its step's directory behind."""
-    if isinstance(dst, LocalStorage):
-        run_pieces(itertools.chain(checking(), dst.putting(local_path, path)))
-        return
+    deleting it is checked again before a later copy counts it as present. (A copy to a
+    local directory writes only checked chunks: ``_copying``.)"""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="resilient-check") as pool:
         checked = pool.submit(lambda: run_pieces(checking()))
         try:

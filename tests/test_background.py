@@ -1,9 +1,9 @@
-"""Background work that costs cores (zstd, writes through the page cache, uploads, the first
-touch of a staging buffer) runs at a lower CPU priority than the training thread (its own
-nice value), so a busy step is served first; the rest of a save (the writer, direct writes
-and their CRCs) does not, and work that is late (a thread waits for it, its save is older
-than RESILIENT_BACKGROUND_YIELD_S, a newer step waits behind an upload) is done at the job's
-priority by the thread that needs it, after the piece a yielding thread has in hand."""
+"""Background work that costs cores (zstd, writes through the page cache, uploads) runs at a
+lower CPU priority than the training thread (its own nice value), so a busy step is served
+first; the rest of a save (the writer, direct writes and their CRCs) and the staging
+buffer's first touch do not, and work that is late (a thread waits for it, its save is
+older than RESILIENT_BACKGROUND_YIELD_S, a newer step waits behind an upload) is done at the
+job's priority by the thread that needs it, after the piece a yielding thread has in hand."""
 
 import os
 import threading
@@ -14,9 +14,8 @@ import torch
 
 from resilient import Checkpointer
 from resilient._background import Handover, YieldingPool, in_pieces, someone_waits, waiting
-from resilient._names import parse_data_file, step_dir_name
+from resilient import _transfer
 from resilient._snapshot import Staging
-from resilient._storage import LocalStorage
 from resilient._writer import SaveHandle
 
 pytestmark = pytest.mark.timeout(60)
@@ -243,28 +242,27 @@ def test_in_pieces_runs_what_is_late_in_the_caller_and_raises_the_workers_error(
 
 class HeldCopies:
     """The nice value of each piece of the uploader's copies of data files to a local
-    directory (pieces of 1 MB), the first piece of the first copy held until its yielding
-    thread is stopped."""
+    directory, the first piece of the first copy held until its yielding thread is stopped."""
 
     def __init__(self, monkeypatch):
-        self.seen: list[tuple[str, int]] = []
+        self.seen: list[tuple[int, int]] = []
         self.held = threading.Event()
         stops = Stops(monkeypatch)
-        putting = LocalStorage.putting
+        copying = _transfer._copying
 
-        def recording(storage, local_path, path, piece=1 << 20):
-            for n in putting(storage, local_path, path, 1 << 20):
-                if parse_data_file(os.path.basename(path)) is not None:
-                    self.seen.append((path, _nice(threading.get_native_id())))
-                    if not self.held.is_set():
-                        self.held.set()
-                        assert stops.event.wait(30), "the copy was never taken over"
-                yield n
+        def recording(src, dst, step, fname, manifest, progress):
+            for piece in copying(src, dst, step, fname, manifest, progress):
+                self.seen.append((step, _nice(threading.get_native_id())))
+                if not self.held.is_set():
+                    self.held.set()
+                    assert stops.event.wait(30), "the copy was never taken over"
+                yield piece
 
-        monkeypatch.setattr(LocalStorage, "putting", recording)
+        monkeypatch.setattr(_transfer, "_copying", recording)
+        monkeypatch.setattr(_transfer, "LOCAL_SPAN", 1 << 20)  # (a piece is a chunk; this reads one at a time)
 
     def of(self, step: int) -> list[int]:
-        return [nice for path, nice in self.seen if path.startswith(f"{step_dir_name(step)}/")]
+        return [nice for at, nice in self.seen if at == step]
 
 
 def test_a_flush_takes_over_the_upload_at_the_jobs_priority(tmp_path, monkeypatch):
@@ -273,8 +271,9 @@ def test_a_flush_takes_over_the_upload_at_the_jobs_priority(tmp_path, monkeypatc
     monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
     base, niced = _niced()
     copies = HeldCopies(monkeypatch)
-    state = {"w": torch.randn(1 << 20)}  # 4 MB: four pieces
-    with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False) as ckpt:
+    state = {"w": torch.randn(1 << 20)}
+    with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False,
+                      chunk_bytes=1 << 20) as ckpt:  # 4 MB: four chunks, a piece each
         _settle_unwatched(ckpt.save(1, state))
         assert copies.held.wait(30)  # the upload's first piece, yielding, held until taken over
         ckpt.flush(timeout=60)
@@ -290,7 +289,8 @@ def test_an_upload_a_newer_step_waits_behind_stops_yielding(tmp_path, monkeypatc
     base, niced = _niced()
     copies = HeldCopies(monkeypatch)
     state = {"w": torch.randn(1 << 20)}
-    with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False) as ckpt:
+    with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False,
+                      chunk_bytes=1 << 20) as ckpt:  # 4 MB: four chunks, a piece each
         _settle_unwatched(ckpt.save(1, state))
         assert copies.held.wait(30)
         _settle_unwatched(ckpt.save(2, state))  # committed here, queued behind step 1
@@ -303,17 +303,21 @@ def test_an_upload_a_newer_step_waits_behind_stops_yielding(tmp_path, monkeypatc
     assert len(second) >= 4 and set(second) == {niced}, second
 
 
-def test_the_first_save_takes_over_the_prewarm_at_its_priority(monkeypatch):
-    """The prewarm yields; the save that needs its buffer touches the rest itself."""
+def test_the_first_save_takes_over_a_zeroing_prewarm(monkeypatch):
+    """Where the kernel cannot populate pages (before Linux 5.14), the prewarm zeroes them,
+    and the save that needs its buffer zeroes the rest itself, after the piece in hand. The
+    prewarm runs at the job's priority: a thread at nice 19 inside the kernel (populating,
+    registering with CUDA) can hold the memory-map lock the training thread's faults need."""
     monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
-    base, niced = _niced()
+    base, _ = _niced()
     monkeypatch.setattr("resilient._snapshot._TOUCH_PIECE", 1 << 20)
+    monkeypatch.setattr("resilient._snapshot.can_populate", lambda: False)
     stops = Stops(monkeypatch)
     seen: list = []
     allocating = Staging._allocating
 
-    def recording(staging, nbytes, pin):
-        return _noting(allocating(staging, nbytes, pin), seen, stops.event)
+    def recording(staging, nbytes, pin, touch=True):
+        return _noting(allocating(staging, nbytes, pin, touch), seen, stops.event)
 
     monkeypatch.setattr(Staging, "_allocating", recording)
     staging = Staging()
@@ -328,5 +332,51 @@ def test_the_first_save_takes_over_the_prewarm_at_its_priority(monkeypatch):
         staging.close()
     me = threading.current_thread().name
     assert buffer.numel() >= 8 << 20 and not bool(buffer[: 8 << 20].any())
-    assert seen[0][0] == "resilient-prewarm" and seen[0][1] == niced
+    assert seen[0] == ("resilient-prewarm", base)
     assert len(seen) >= 8 and set(seen[1:]) == {(me, base)}, seen
+
+
+def test_the_first_save_does_not_wait_for_a_populating_prewarm_which_changes_no_byte(monkeypatch):
+    """Populating pages changes none of their bytes, so the save that needs the buffer stops
+    the prewarm and goes on at once, its piece in hand running on beside the save's copy.
+    Even one piece of a thread at nice 19 is slow to wait for beside busy cores."""
+    from resilient import _snapshot
+    from resilient._hostmem import can_populate
+
+    if not can_populate():
+        pytest.skip("the kernel cannot populate pages (MADV_POPULATE_WRITE, Linux 5.14+)")
+    populate = _snapshot.populate
+    held, release, finished = threading.Event(), threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def holding(buffer):
+        calls.append((threading.current_thread().name, _nice(threading.get_native_id())))
+        if len(calls) == 1:
+            held.set()
+            assert release.wait(30)
+            try:
+                return populate(buffer)
+            finally:
+                finished.set()
+        return populate(buffer)
+
+    monkeypatch.setattr(_snapshot, "populate", holding)
+    staging = Staging()
+    try:
+        staging.prewarm(8 << 20, pin=False)
+        made = staging.buffer  # mapped at once, populated in the background
+        assert made is not None and made.numel() >= 8 << 20
+        assert held.wait(10)  # the prewarm, in its first piece
+        buffer = staging._ensure(8 << 20, False)
+        assert not finished.is_set()  # not waited for
+        assert buffer.data_ptr() == made.data_ptr()  # the prewarmed buffer
+        pattern = torch.arange(8 << 20, dtype=torch.int64).to(torch.uint8)
+        buffer[: 8 << 20].copy_(pattern)  # the save's copy, beside the piece in hand
+        release.set()
+        assert finished.wait(10)
+        assert torch.equal(buffer[: 8 << 20], pattern)  # populating changed no byte
+    finally:
+        release.set()
+        staging.close()
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert calls == [("resilient-prewarm", base)]  # the job's priority; stopped after its piece in hand
