@@ -13,8 +13,9 @@ What remains is the kernel's own writeback work and memory bandwidth, which no n
 reaches.
 
 Yielding is for the work that costs cores (zstd, copies into the page cache, uploads), and
-for a save's writes it is bounded, since it has a price: a thread at nice 19 gets about 1.5% of a core that a process at the default priority
-keeps busy, and data-loader workers often keep every core busy. Measured here beside two
+for a save's writes it is bounded, since it has a price: a thread at nice 19 gets about
+1.5% of a core that a process at the default priority keeps busy, and data-loader workers
+often keep every core busy. Measured here beside two
 spinning processes (``bench_busy_cores``, 1 GB), a save written through the page cache took
 123 s to become durable, with zstd 135 s, and a direct one 8.1 s, when every write yielded;
 0.67 s direct at the default priority. So a
@@ -242,14 +243,14 @@ class Handover:
         return not self._over
 
     def run(self) -> None:
-        """The yielding thread's part: pieces until there are none or it is stopped."""
+        """The background thread's part: pieces until there are none or it is stopped."""
         while True:
             with self._lock:
                 if self._stopped or not self._advance():
                     return
 
     def stop(self) -> None:
-        """Have the yielding thread stop after the piece in hand (it does no other)."""
+        """Have the background thread stop after the piece in hand (it does no other)."""
         self._stopped = True
 
     def take(self) -> None:

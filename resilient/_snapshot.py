@@ -264,6 +264,11 @@ def _storage_short(name: str, t: torch.Tensor) -> UnsupportedStateError | None:
     return UnsupportedStateError(f"state[{name!r}]: {why}; save it while its storage is whole, or save the sharded state")
 
 
+def _not_prepared(exc: Exception) -> None:
+    log.warning("resilient: could not prepare the staging buffer ahead of the first save (%s: %s)",
+                type(exc).__name__, exc)
+
+
 def _populating(buffer: torch.Tensor) -> Iterator[None]:
     """``buffer``'s pages faulted in, ``_TOUCH_PIECE`` bytes a step, its bytes unchanged."""
     for start in range(0, buffer.numel(), _TOUCH_PIECE):
@@ -306,7 +311,11 @@ class Staging:
         device = torch.cuda.current_device() if pin else None  # page-locked for this rank's device's context
         self._populating = not pin and can_populate()
         if self._populating:  # mapped here (no page touched: microseconds), populated there
-            drain(self._allocating(nbytes, pin, touch=False))
+            try:
+                drain(self._allocating(nbytes, pin, touch=False))
+            except Exception as exc:  # noqa: BLE001 - out of memory, say: the save allocates again and says so
+                _not_prepared(exc)
+                return
             assert self._memory is not None
             self._warming = Handover(_populating(self._memory.tensor))
         else:  # registered with CUDA or zeroed there, piece by piece
@@ -343,8 +352,7 @@ class Staging:
             try:
                 work.take()
             except Exception as exc:  # noqa: BLE001 - out of memory, say: the save allocates again and says so
-                log.warning("resilient: could not prepare the staging buffer ahead of the first save (%s: %s)",
-                            type(exc).__name__, exc)
+                _not_prepared(exc)
 
     def _ensure(self, nbytes: int, pin: bool) -> torch.Tensor:
         self._join_warming()

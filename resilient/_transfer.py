@@ -18,7 +18,7 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ._background import drain
@@ -133,11 +133,18 @@ def copy_step(
     # (a file's stored bytes tell whether it takes several spans: its table may not be read yet)
     span_workers = max(1, workers // max(1, min(workers, sum(r["bytes"] - footer_bytes(r) > READ_SPAN
                                                              for _, r in files))))
-    if workers > 1 and len(files) > 1:
-        with ThreadPoolExecutor(max_workers=min(workers, len(files))) as pool:
-            total = sum(pool.map(lambda item: one(*item), files))
-    else:
-        total = sum(one(*item) for item in files)
+    made_here = isinstance(dst, LocalStorage) and not dst.exists(sdir)
+    try:
+        if workers > 1 and len(files) > 1:
+            with ThreadPoolExecutor(max_workers=min(workers, len(files))) as pool:  # (every file done on leaving)
+                total = sum(pool.map(lambda item: one(*item), files))
+        else:
+            total = sum(one(*item) for item in files)
+    except BaseException:
+        if made_here:  # a bad source leaves not even the step's directory behind, where no file was copied
+            with suppress(OSError):
+                os.rmdir(dst.local_path(sdir))
+        raise
     if commit:
         commit_step(src, dst, step, commit_record)
     return total

@@ -47,6 +47,4 @@ def test_a_bad_byte_in_a_middle_chunk_leaves_no_file_behind(tmp_path, saved):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointCorruptError, match=name):
         copy_step(src, LocalStorage(str(tmp_path / "mounted")), 1)
-    copied = tmp_path / "mounted" / "step-0000000001"
-    left = os.listdir(copied) if copied.exists() else []
-    assert name not in left and not [n for n in left if ".tmp-" in n] and "manifest.json" not in left
+    assert not (tmp_path / "mounted" / "step-0000000001").exists()  # one file: nothing at all

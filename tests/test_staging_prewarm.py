@@ -78,3 +78,34 @@ def test_a_loop_that_saves_only_when_due_prepares_the_buffer_itself(tmp_path):
         assert ckpt._staging._warming is None
         ckpt.save(4, state, force=True).result()
         assert ckpt._staging.buffer.data_ptr() == buffer.data_ptr()
+
+
+@pytest.mark.parametrize("populates", [True, False])
+def test_a_buffer_that_cannot_be_made_ahead_is_left_to_the_save(monkeypatch, caplog, populates):
+    """Out of memory ahead of the first save: a warning, no error from ``prepare`` (nor from
+    the save that is not due which calls it); the due save allocates again, and says so if
+    it fails too. The buffer is mapped in the calling thread where the kernel can populate
+    its pages, and in the prewarm thread otherwise: both are caught."""
+    from resilient import _snapshot
+    from resilient._snapshot import Staging
+
+    monkeypatch.setattr(_snapshot, "can_populate", lambda: populates)
+    real = _snapshot.HostBuffer
+    calls = []
+
+    def host_buffer(nbytes, pin):  # the first allocation (the prewarm's, in whichever thread) fails
+        calls.append(nbytes)
+        if len(calls) == 1:
+            raise RuntimeError(f"out of memory allocating {nbytes} bytes")
+        return real(nbytes, pin)
+
+    monkeypatch.setattr(_snapshot, "HostBuffer", host_buffer)
+    staging = Staging()
+    try:
+        with caplog.at_level("WARNING", logger="resilient"):
+            staging.prewarm(1 << 20, pin=False)
+            buffer = staging._ensure(1 << 20, False)  # ends the prewarm, then allocates
+        assert buffer.numel() >= 1 << 20 and len(calls) == 2
+        assert "could not prepare the staging buffer ahead of the first save (RuntimeError: out of memory" in caplog.text
+    finally:
+        staging.close()
