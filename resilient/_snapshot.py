@@ -335,8 +335,8 @@ class Staging:
 
     def _join_warming(self, wanted: bool = True) -> None:
         """End ``prewarm``'s work before the buffer is used. Waited for whole, beside busy
-        cores, its thread (at nice 19 then) held the first save for 18.5 s (1 GB,
-        ``bench_busy_drain``). Populating (which changes no byte) is stopped and not waited
+        cores, its thread (at nice 19 then) held the first save for 34 s (1 GB, 0.5 s after
+        ``prepare``, ``bench_busy_drain``). Populating (which changes no byte) is stopped and not waited
         for: its piece in hand runs on beside the save's copy, and the pages it has not
         reached the copy faults in. Zeroing (where the kernel cannot populate) and a pinned
         buffer's registration are taken over: what is left is done here, after the piece in

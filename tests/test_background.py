@@ -8,6 +8,7 @@ job's priority by the thread that needs it, after the piece a yielding thread ha
 import os
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -265,17 +266,25 @@ class HeldCopies:
         return [nice for at, nice in self.seen if at == step]
 
 
-def test_a_flush_takes_over_the_upload_at_the_jobs_priority(tmp_path, monkeypatch):
-    """A flush (a preemption's drain, a close) is a thread waiting for the upload: beside
-    busy cores, a yielding copy took 128 s where one at the job's priority took 3.8 s."""
+@contextmanager
+def _held_upload(tmp_path, monkeypatch):
+    """(a Checkpointer whose remote tier is a directory, its copies seen): step 1 saved, and
+    its upload held in its first piece until its yielding thread is stopped."""
     monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
-    base, niced = _niced()
     copies = HeldCopies(monkeypatch)
     state = {"w": torch.randn(1 << 20)}
     with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False,
                       chunk_bytes=1 << 20) as ckpt:  # 4 MB: four chunks, a piece each
         _settle_unwatched(ckpt.save(1, state))
-        assert copies.held.wait(30)  # the upload's first piece, yielding, held until taken over
+        assert copies.held.wait(30)  # the upload's first piece, yielding, held
+        yield ckpt, copies, state
+
+
+def test_a_flush_takes_over_the_upload_at_the_jobs_priority(tmp_path, monkeypatch):
+    """A flush (a preemption's drain, a close) is a thread waiting for the upload: beside
+    busy cores, a yielding copy took 128 s where one at the job's priority took 3.8 s."""
+    base, niced = _niced()
+    with _held_upload(tmp_path, monkeypatch) as (ckpt, copies, _):
         ckpt.flush(timeout=60)
         assert ckpt._uploader.uploaded(1)
     pieces = copies.of(1)
@@ -285,14 +294,8 @@ def test_a_flush_takes_over_the_upload_at_the_jobs_priority(tmp_path, monkeypatc
 def test_an_upload_a_newer_step_waits_behind_stops_yielding(tmp_path, monkeypatch):
     """Yielding throughout beside busy cores, uploads fell behind the saves, and retention
     let every step go before it was up. The next step's upload, with none behind it, yields."""
-    monkeypatch.delenv("RESILIENT_BACKGROUND_NICE", raising=False)
     base, niced = _niced()
-    copies = HeldCopies(monkeypatch)
-    state = {"w": torch.randn(1 << 20)}
-    with Checkpointer(str(tmp_path / "local"), remote=f"file://{tmp_path / 'remote'}", rng=False,
-                      chunk_bytes=1 << 20) as ckpt:  # 4 MB: four chunks, a piece each
-        _settle_unwatched(ckpt.save(1, state))
-        assert copies.held.wait(30)
+    with _held_upload(tmp_path, monkeypatch) as (ckpt, copies, state):
         _settle_unwatched(ckpt.save(2, state))  # committed here, queued behind step 1
         deadline = time.monotonic() + 60
         while not ckpt._uploader.uploaded(2):  # watched, not waited for (a flush would end the yielding)
