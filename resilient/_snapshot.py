@@ -311,10 +311,13 @@ class Staging:
         device = torch.cuda.current_device() if pin else None  # page-locked for this rank's device's context
         self._populating = not pin and can_populate()
         if self._populating:  # mapped here (no page touched: microseconds), populated there
+            held = self._memory
             try:
                 drain(self._allocating(nbytes, pin, touch=False))
             except Exception as exc:  # noqa: BLE001 - out of memory, say: the save allocates again and says so
                 _not_prepared(exc)
+                return
+            if self._memory is held:  # large enough already, and touched by the saves that used it
                 return
             assert self._memory is not None
             self._warming = Handover(_populating(self._memory.tensor))
