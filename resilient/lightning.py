@@ -257,6 +257,69 @@ def _teach_load_from_checkpoint() -> None:
 _teach_load_from_checkpoint()
 
 
+def _bypassed_by(strategy: Any) -> str | None:
+    """Why ``strategy`` would never call its ``CheckpointIO`` to save, with what to use
+    instead; None when its saves go through it.
+
+    Lightning's sharded strategies save with ``torch.distributed.checkpoint`` (or DeepSpeed's
+    engine) themselves. Matched by the ``save_checkpoint`` the strategy's class runs, so a
+    subclass with a ``save_checkpoint`` of its own is taken to know what it does."""
+    save = getattr(type(strategy), "save_checkpoint", None)
+    name = type(strategy).__name__
+    for package in _lightning_packages():
+        strategies = importlib.import_module(f"{package}.strategies")
+        if save is strategies.FSDPStrategy.save_checkpoint and getattr(strategy, "_state_dict_type", None) == "sharded":
+            return (f"{name}(state_dict_type='sharded') writes its checkpoints with torch.distributed.checkpoint "
+                    f"itself. Use {_sharded_instead(strategies)} (FSDP2, every rank writes its shards), or "
+                    f"{name}(state_dict_type='full') (rank 0 saves the gathered state through the plugin)")
+        if save is strategies.ModelParallelStrategy.save_checkpoint and getattr(strategy, "_save_distributed_checkpoint", False):
+            return (f"{name} writes its checkpoints with torch.distributed.checkpoint itself. Use "
+                    f"{_sharded_instead(strategies)} in its place, same arguments")
+        if save is strategies.DeepSpeedStrategy.save_checkpoint:
+            return f"{name} writes its checkpoints with DeepSpeed's engine itself; resilient cannot write them"
+    return None
+
+
+def _sharded_instead(strategies: Any) -> str:
+    """How to get resilient's sharded checkpoints under the Trainer of ``strategies``' package:
+    ``ResilientModelParallelStrategy`` derives from one package's ``ModelParallelStrategy``
+    (``pytorch_lightning``'s when both are installed), and the other's Trainer refuses it."""
+    from ._lightning_parallel import ResilientModelParallelStrategy
+
+    if issubclass(ResilientModelParallelStrategy, strategies.ModelParallelStrategy):
+        return "strategy=resilient.lightning.ResilientModelParallelStrategy(...)"
+    return ("pytorch_lightning's Trainer with strategy=resilient.lightning.ResilientModelParallelStrategy(...) "
+            f"({strategies.__name__.rsplit('.', 1)[0]}'s Trainer refuses it)")
+
+
+def _teach_strategies_to_warn() -> None:
+    """Warn, when a Trainer is made, that a strategy will not use the plugin.
+
+    Why: the Trainer hands its ``CheckpointIO`` to any strategy without a word, and the
+    sharded ones never call it: a user who added ``plugins=[ResilientCheckpointIO()]`` to a
+    ``strategy="fsdp"`` run would get DCP's checkpoints and think they were resilient's
+    (committed crash-consistently, checksummed, drained to ``remote=``). The Trainer gives
+    the plugin to the strategy through ``Strategy.checkpoint_io``'s setter (a plugin passed
+    to the strategy's constructor too), so that setter is wrapped, once per package."""
+    for package in _lightning_packages():
+        base = importlib.import_module(f"{package}.strategies").Strategy
+        attached = base.__dict__.get("checkpoint_io")
+        if not isinstance(attached, property) or getattr(attached.fset, "warns_when_bypassed", False):
+            continue
+
+        def set_checkpoint_io(strategy: Any, io: Any, _set: Callable[[Any, Any], None] = attached.fset) -> None:
+            _set(strategy, io)
+            why = _bypassed_by(strategy) if isinstance(io, ResilientCheckpointIO) else None
+            if why is not None:
+                log.warning("resilient: ResilientCheckpointIO will write nothing: %s", why)
+
+        set_checkpoint_io.warns_when_bypassed = True  # type: ignore[attr-defined]
+        base.checkpoint_io = attached.setter(set_checkpoint_io)
+
+
+_teach_strategies_to_warn()
+
+
 def _local(path: Any, action: str) -> str:
     """``path`` made absolute; a URL refused, naming it. Why: the plugin writes to a local
     directory and drains it to the object store, and ``os.path`` would take

@@ -327,3 +327,41 @@ def test_sigterm_is_lightnings_to_answer_and_its_exception_checkpoint_is_committ
     saved = tmp_path / "ck" / "epoch=1-step=12.ckpt"
     assert f"saved checkpoint to {saved}" in said.replace("\n", " "), said[-3000:]
     assert Catalog(LocalStorage(str(saved))).committed_steps() == [1]
+
+
+def test_a_strategy_that_saves_without_the_plugin_is_named_when_the_trainer_is_made(caplog):
+    """Lightning's sharded strategies write their checkpoints with DCP and never call the
+    Trainer's CheckpointIO: the plugin says so, naming the strategy and what to use, when the
+    Trainer hands it over; strategies whose saves go through it pass without a word."""
+    from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from resilient.lightning import ResilientCheckpointIO, ResilientModelParallelStrategy
+
+    def warned(strategy) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="resilient"):
+            trainer = pl.Trainer(strategy=strategy, plugins=[ResilientCheckpointIO()], accelerator="cpu", devices=1,
+                                 logger=False, enable_progress_bar=False, enable_model_summary=False)
+        assert isinstance(trainer.strategy.checkpoint_io, ResilientCheckpointIO)
+        return [r.getMessage() for r in caplog.records if "will write nothing" in r.getMessage()]
+
+    [message] = warned(ModelParallelStrategy())
+    assert "ModelParallelStrategy writes its checkpoints with torch.distributed.checkpoint" in message
+    assert "strategy=resilient.lightning.ResilientModelParallelStrategy(...)" in message
+    assert warned(ModelParallelStrategy(save_distributed_checkpoint=False)) == []  # one file, through the plugin
+    assert warned("ddp") == [] and warned(ResilientModelParallelStrategy()) == []
+
+    # FSDPStrategy wants a GPU in a Trainer: the plugin is handed over as the Trainer does it
+    def handed(strategy) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="resilient"):
+            strategy.checkpoint_io = ResilientCheckpointIO()
+        return [r.getMessage() for r in caplog.records if "will write nothing" in r.getMessage()]
+
+    [message] = handed(FSDPStrategy(state_dict_type="sharded"))
+    assert "FSDPStrategy(state_dict_type='sharded')" in message and "state_dict_type='full'" in message
+    assert handed(FSDPStrategy()) == []  # Lightning's default, "full": rank 0 saves through the plugin
+
+    L = pytest.importorskip("lightning")  # the other package's strategies are watched too
+    [message] = handed(L.pytorch.strategies.ModelParallelStrategy())
+    assert "pytorch_lightning's Trainer with strategy=resilient.lightning.ResilientModelParallelStrategy" in message
