@@ -24,18 +24,24 @@ strategy's ``save_checkpoint`` (the loop waits for all of it); for the run, ``fi
 time including the teardown (every save written). A memcpy of the state's bytes, measured
 in the same run, is the floor of any stall (of a rank's share, for the strategies).
 ``--render`` prints the table of a results file again.
+
+``--remote`` drains resilient's checkpoints to an object store as well (``remote=``): moto's
+S3 server, started here on loopback (on the same cores). Lightning's own plugins still write
+to the local disk alone; what is compared there is resilient with and without a remote tier.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -68,13 +74,20 @@ def _saver(method: str) -> tuple[dict[str, Any], Any]:
 
     from resilient.lightning import ResilientCheckpointIO, ResilientModelParallelStrategy
 
+    remote = json.loads(os.environ.get(_REMOTE, "null"))  # --remote: resilient's methods drain there
+    ours = {"remote": f"{remote['url']}/{method}", "storage_options": remote["options"]} \
+        if remote and method.startswith("Resilient") else {}
     if method in PLUGINS:
         plugin = _timed({"TorchCheckpointIO": TorchCheckpointIO, "AsyncCheckpointIO": AsyncCheckpointIO,
-                         "ResilientCheckpointIO": ResilientCheckpointIO}[method])
+                         "ResilientCheckpointIO": ResilientCheckpointIO}[method], **ours)
         return {"devices": 1, "plugins": [plugin]}, plugin
     base = ResilientModelParallelStrategy if method.startswith("Resilient") else ModelParallelStrategy
-    strategy = _timed(base, data_parallel_size=2, tensor_parallel_size=1)
+    strategy = _timed(base, data_parallel_size=2, tensor_parallel_size=1, **ours)
     return {"devices": 2, "strategy": strategy}, strategy
+
+
+#: where ``--remote``'s object store is, for this process and the strategies' (JSON: url, options)
+_REMOTE = "RESILIENT_BENCH_REMOTE"
 
 
 def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
@@ -146,9 +159,37 @@ def table(results: dict[str, Any]) -> str:
         first = [f"{r['save_s'][0]:.2f}+{r['save_s'][1]:.2f}" for r in runs]
         later = stall_cell([s for r in runs for s in r["save_s"][2:]], memcpy / ranks)
         fits = ", ".join(f"{r['fit_s']:.1f}" for r in runs)
-        rows.append(f"| {method} | {ranks} | {runs[0]['bytes'] / 1e9:.2f} GB | {', '.join(first)} s | {later} | "
+        name = f"{method}, `remote=`" if results.get("remote") and method.startswith("Resilient") else method
+        rows.append(f"| {name} | {ranks} | {runs[0]['bytes'] / 1e9:.2f} GB | {', '.join(first)} s | {later} | "
                     f"{fits} s |")
     return "\n".join(rows) + f"\n\nmemcpy of the whole state's bytes: {memcpy:.3f} s"
+
+
+@contextlib.contextmanager
+def _object_store(wanted: bool) -> Iterator[None]:
+    """moto's S3 server on loopback for ``--remote``, named in ``_REMOTE`` while it runs. In a
+    process of its own: in this one its threads would take the interpreter's lock from the
+    training thread that the plugin's saves are timed in."""
+    if not wanted:
+        yield
+        return
+    from resilient.devservices import S3Server
+
+    server = subprocess.Popen([sys.executable, "-m", "resilient.devservices", "--s3"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        said = next((line for line in iter(server.stdout.readline, "") if "AWS_ENDPOINT_URL=" in line), None)
+        if said is None:
+            raise RuntimeError(f"python -m resilient.devservices --s3 exited ({server.wait()}) before it served")
+        endpoint = next(word.split("=", 1)[1] for word in said.split() if word.startswith("AWS_ENDPOINT_URL="))
+        bucket = said.split("s3://", 1)[1].split("/", 1)[0]
+        options = {"key": S3Server.KEY, "secret": S3Server.SECRET, "client_kwargs": {"endpoint_url": endpoint}}
+        os.environ[_REMOTE] = json.dumps({"url": f"s3://{bucket}", "options": options})
+        yield
+    finally:
+        os.environ.pop(_REMOTE, None)
+        server.send_signal(signal.SIGINT)
+        server.wait(30)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
     p.add_argument("--out", default=None, help="keep the samples as JSON here")
     p.add_argument("--render", default=None, help="print the table of a results file and exit")
+    p.add_argument("--remote", action="store_true",
+                   help="drain resilient's checkpoints to moto's S3 server on loopback too (remote=)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # a strategy's run (one_run)
     p.add_argument("--child-layers", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -175,11 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(methods) - set(METHODS)
     if unknown:
         p.error(f"--methods: unknown {', '.join(sorted(unknown))} (known: {', '.join(METHODS)})")
-    runs = in_rounds(methods, a.rounds, lambda method, root: one_run(method, layers, a.saves, root),
-                     lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, fit {run['fit_s']:.1f} s",
-                     "bench-lightning-", a.root)
+    with _object_store(a.remote):
+        runs = in_rounds(methods, a.rounds, lambda method, root: one_run(method, layers, a.saves, root),
+                         lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, fit {run['fit_s']:.1f} s",
+                         "bench-lightning-", a.root)
     results = {"gb": a.gb, "layers": layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
-               "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
+               "remote": a.remote, "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
     reported(results, a.out, table)
 
 

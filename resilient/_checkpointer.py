@@ -901,7 +901,12 @@ class Checkpointer:
     def latest(self) -> int | None:
         """Step of the newest committed checkpoint on any tier (None when there is none).
         Commit records are checked here; data checksums are checked by restore."""
-        steps = set(self._tier.committed_steps()) | set(self._remote_steps())
+        return self._latest(remote=True)
+
+    def _latest(self, remote: bool) -> int | None:
+        """``latest()``, the remote tier left unasked unless ``remote``: where one rank
+        lists it for all (a thousand ranks listing a bucket at once is throttled)."""
+        steps = set(self._tier.committed_steps()) | (set(self._remote_steps()) if remote else set())
         steps -= self._bad_steps
         return max(steps) if steps else None
 

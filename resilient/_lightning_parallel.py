@@ -16,10 +16,20 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections import Counter
 from typing import Any, Mapping
 
 from ._checkpointer import Checkpointer
-from .lightning import ResilientCheckpointIO, _key, _lightning_packages, _local, _storable, finish, finish_done
+from .lightning import (
+    ResilientCheckpointIO,
+    _key,
+    _lightning_packages,
+    _local,
+    _storable,
+    finish,
+    finish_done,
+    next_number,
+)
 
 __all__ = ["ResilientModelParallelStrategy"]
 
@@ -48,7 +58,8 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
                              "world size, and resilient-ckpt export makes one file of it)")
         super().__init__(*args, **kwargs)
         self._files = ResilientCheckpointIO(remote=remote, storage_options=storage_options, compress=compress)
-        self._saving: dict[str, Checkpointer] = {}  # path -> this rank's checkpointer with a save in flight
+        self._saving: dict[str, Checkpointer] = {}  # path -> this rank's checkpointer with a save in flight, or kept
+        self._saves: Counter[str] = Counter()  # path -> saves of it in this process
 
     # -- saving ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -56,17 +67,26 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
             raise TypeError("ResilientModelParallelStrategy.save_checkpoint: storage_options are given to the "
                             "strategy (remote=, storage_options=), not to each save")
         path, _ = self._agreed(filepath, "save", replace=True)
-        self._finish(path)
         self._finish_done()
+        # every rank goes on with its checkpointer of the path, or every rank makes a new one
+        # (a rank may have closed its own: ``finish_done`` is each rank's)
+        if not self.reduce_boolean_decision(path in self._saving, all=True):
+            self._finish(path)
         replaced: list[str] = []
         # the shards as Lightning collected them (its hooks may have changed them); the rest as plain data
         state = {"state_dict": checkpoint.pop("state_dict"),
                  "optimizer_states": checkpoint.pop("optimizer_states", []),
                  "lightning": {k: _storable(v, k, replaced) for k, v in checkpoint.items()}}
-        ckpt = self._files._checkpointer(path)
-        # a sequence number, not the global step: the same path may be saved twice at one step
-        ckpt.save(ckpt._coord.agree_max(ckpt.latest() or 0) + 1, state, force=True)
-        self._saving[path] = ckpt
+        ckpt = self._saving.get(path)
+        if ckpt is None:
+            ckpt = self._saving[path] = self._files._checkpointer(path)
+        self._saves[path] += 1
+        # a sequence number, not the global step: the same path may be saved twice at one
+        # step. A new checkpointer's is agreed: each rank's local tier, and the remote tier
+        # as rank 0 lists it (when the path's name may be there)
+        asks = self.is_global_zero and self._files._may_be_remote(path)
+        newest = lambda: ckpt._coord.agree_max(ckpt._latest(remote=asks) or 0)  # noqa: E731
+        self._files._buffers.save(ckpt, next_number(ckpt, newest), state)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         path, link = self._agreed(filepath, "remove")
@@ -139,4 +159,4 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         finish(self._saving, path)
 
     def _finish_done(self) -> None:
-        finish_done(self._saving)  # this rank's alone: closing a checkpointer is no collective
+        finish_done(self._saving, self._saves)  # this rank's alone: closing a checkpointer is no collective

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping, Protocol
 
@@ -306,15 +307,26 @@ def missing_bucket(storage: Storage) -> str | None:
     nodes started from step 0 without a word, and every upload was retried for ever."""
     if not isinstance(storage, FsspecStorage):
         return None
+    bucket = storage._base.split("/", 1)[0]
+    if bucket in _BUCKETS_FOUND.get(storage.fs, ()):
+        return None
     try:
         storage.fs.ls(storage._p(""), detail=False, refresh=True)
     except FileNotFoundError as exc:
         missing = the_missing_bucket(storage, exc)
         if missing:
             return f"remote tier {storage.url}: {missing} (create it, or correct remote=)"
+        # else a new prefix, in a bucket that exists
     except Exception:  # noqa: BLE001 - unreachable, throttled, refused: not this question's answer
         return None
+    _BUCKETS_FOUND.setdefault(storage.fs, set()).add(bucket)
     return None
+
+
+#: the buckets ``missing_bucket`` has found, by file system (its endpoint and credentials):
+#: asked once a process. Why: Lightning's plugin makes a Checkpointer for each checkpoint
+#: path, and the question cost a request in each save's stall (12 ms to a local S3 server)
+_BUCKETS_FOUND: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
 
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:

@@ -262,6 +262,9 @@ class Uploader:
             except fatal:
                 raise
             except Exception as exc:  # every store failure is worth another try
+                with self._cond:
+                    if self._closed:  # told to stop (its files may be going: a removed checkpoint's)
+                        return False
                 if attempts is not None and attempt + 1 >= attempts:
                     raise
                 self.retries += 1

@@ -4,6 +4,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 
 import fsspec
 import numpy as np
@@ -365,3 +366,112 @@ def test_a_strategy_that_saves_without_the_plugin_is_named_when_the_trainer_is_m
     L = pytest.importorskip("lightning")  # the other package's strategies are watched too
     [message] = handed(L.pytorch.strategies.ModelParallelStrategy())
     assert "pytorch_lightning's Trainer with strategy=resilient.lightning.ResilientModelParallelStrategy" in message
+
+
+def test_a_path_saved_again_does_not_wait_for_its_upload(tmp_path, monkeypatch):
+    """``last.ckpt`` is saved at every checkpoint. Each save there used to wait, inside the
+    step, for the previous one to be drained to the object store: now the path keeps its
+    checkpointer, the save waits only for the previous local write, and the upload queue
+    takes the newest. A top-k path, saved once, has its checkpointer closed once drained."""
+    from resilient import _transfer
+    from resilient.lightning import ResilientCheckpointIO
+
+    held, release, copied = threading.Event(), threading.Event(), []
+    copying = _transfer._copying
+
+    def holding(src, dst, step, fname, manifest, progress):  # last.ckpt's first upload waits in its first piece
+        last = os.path.basename(src.storage.root) == "last.ckpt"
+        for piece in copying(src, dst, step, fname, manifest, progress):
+            if last and not held.is_set():
+                held.set()
+                assert release.wait(60), "never released"
+            copied.append((last, step))
+            yield piece
+
+    monkeypatch.setattr(_transfer, "_copying", holding)
+    remote = tmp_path / "bucket"
+    io = ResilientCheckpointIO(remote=f"file://{remote}")
+    io.save_checkpoint(_checkpoint(1), tmp_path / "epoch=1.ckpt")
+    io.save_checkpoint(_checkpoint(1), tmp_path / "last.ckpt")
+    assert held.wait(30)
+    kept = io._open[str(tmp_path / "last.ckpt")]
+    io.save_checkpoint(_checkpoint(2), tmp_path / "last.ckpt")  # waited here for the held upload
+    assert not release.is_set() and io._open[str(tmp_path / "last.ckpt")] is kept
+    io.save_checkpoint(_checkpoint(3), tmp_path / "last.ckpt")
+    assert (True, 1) not in copied and not kept._uploader.uploaded(1)  # last.ckpt's first upload is still held
+    release.set()
+    kept.flush(timeout=60)
+    io.save_checkpoint(_checkpoint(4), tmp_path / "epoch=4.ckpt")  # epoch=1.ckpt's, drained, is closed
+    assert sorted(io._open) == [str(tmp_path / p) for p in ("epoch=4.ckpt", "last.ckpt")]
+    assert io._open[str(tmp_path / "last.ckpt")] is kept  # saved more than once: kept open
+    io.teardown()
+    # the newest save at each path is the one on the object store, and the one loaded
+    fresh = ResilientCheckpointIO(remote=f"file://{remote}")
+    for path, epoch in (("last.ckpt", 3), ("epoch=1.ckpt", 1), ("epoch=4.ckpt", 4)):
+        loaded = fresh.load_checkpoint(tmp_path / "new-node" / path)
+        assert loaded["epoch"] == epoch
+        assert torch.equal(loaded["state_dict"]["weight"], _checkpoint(epoch)["state_dict"]["weight"])
+        assert torch.equal(io.load_checkpoint(tmp_path / path)["state_dict"]["bias"], _checkpoint(epoch)["state_dict"]["bias"])
+    assert sorted(n for n in os.listdir(remote / "last.ckpt") if n.startswith("step-")) == ["step-0000000003"]
+    # a new node, its disk empty, saves last.ckpt again: numbered after what the store holds
+    # there (the names on the store are listed once), so the store keeps the new one
+    node = ResilientCheckpointIO(remote=f"file://{remote}")
+    node.save_checkpoint(_checkpoint(5), tmp_path / "node" / "last.ckpt")
+    node.save_checkpoint(_checkpoint(5), tmp_path / "node" / "epoch=5.ckpt")
+    node.teardown()
+    assert sorted(n for n in os.listdir(remote / "last.ckpt") if n.startswith("step-")) == ["step-0000000004"]
+    assert fresh.load_checkpoint(tmp_path / "another-node" / "last.ckpt")["epoch"] == 5
+
+
+def test_a_failed_save_is_raised_at_the_next_save_once(tmp_path, monkeypatch):
+    """A save whose write fails in the background is raised from the plugin's next save (as
+    Lightning's AsyncCheckpointIO raises it), once: the save after it goes on, and what is
+    loaded is the newest save that committed."""
+    from resilient import CommitError
+    from resilient.lightning import ResilientCheckpointIO
+
+    monkeypatch.setenv("RESILIENT_FAULT", "raise:rank=0,step=2,phase=write")  # last.ckpt's second save
+    monkeypatch.setenv("RESILIENT_FAULT_DIR", str(tmp_path / "faults"))
+    io = ResilientCheckpointIO()
+    for epoch in (1, 2):
+        io.save_checkpoint(_checkpoint(epoch), tmp_path / "last.ckpt")
+    io._open[str(tmp_path / "last.ckpt")]._inflight.settled()
+    with pytest.raises(CommitError, match="step 2"):
+        io.save_checkpoint(_checkpoint(3), tmp_path / "last.ckpt")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["epoch"] == 1
+    io.save_checkpoint(_checkpoint(4), tmp_path / "last.ckpt")
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["epoch"] == 4
+
+
+def test_a_checkpoint_removed_while_it_goes_up_stops_quietly(tmp_path, monkeypatch, caplog):
+    """Lightning removes a top-k checkpoint whose upload may still be running: the upload
+    stops with its files (no "failed, retrying" warnings about files it was told to drop),
+    and nothing of it is left on the object store."""
+    from resilient import _transfer
+    from resilient.lightning import ResilientCheckpointIO
+
+    held, release = threading.Event(), threading.Event()
+    copying = _transfer._copying
+
+    def holding(src, dst, step, fname, manifest, progress):  # the upload waits in its first piece
+        for piece in copying(src, dst, step, fname, manifest, progress):
+            if not held.is_set():
+                held.set()
+                assert release.wait(60), "never released"
+            yield piece
+
+    monkeypatch.setattr(_transfer, "_copying", holding)
+    monkeypatch.setattr(_transfer, "LOCAL_SPAN", 1 << 20)
+    io = ResilientCheckpointIO(remote=f"file://{tmp_path / 'bucket'}")
+    big = {"epoch": 1, "state_dict": {"w": torch.randn(4 << 20)}}  # 16 MB: pieces left after the first
+    io.save_checkpoint(big, tmp_path / "epoch=1.ckpt")
+    assert held.wait(30)
+    with caplog.at_level("WARNING", logger="resilient"):
+        io.remove_checkpoint(tmp_path / "epoch=1.ckpt")  # renamed away under the upload
+        release.set()
+        io.save_checkpoint(_checkpoint(2), tmp_path / "epoch=2.ckpt")
+        io.teardown()
+    assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert sorted(os.listdir(tmp_path / "bucket")) == ["epoch=2.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["bucket", "epoch=2.ckpt"]

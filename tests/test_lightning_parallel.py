@@ -54,27 +54,42 @@ class Record(Callback):
         if trainer.global_rank == 0:
             torch.save(weights, os.path.join(out, f"weights-{trainer.global_step}.pt"))
 
+class Kept(Callback):
+    """Which of each rank's checkpointers of last.ckpt is open as each save begins (0: none),
+    last.ckpt being saved as a copy (save_last=True)."""
+    numbered = 0
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        ckpt = trainer.strategy._saving.get(os.path.join(os.path.realpath(ckpts), "last.ckpt"))
+        if ckpt is not None and not hasattr(ckpt, "number"):
+            Kept.numbered += 1
+            ckpt.number = Kept.numbered
+        with open(os.path.join(out, f"kept-{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{trainer.global_step} {getattr(ckpt, 'number', 0)}\\n")
+
 ckpts, out, steps, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 resume = sys.argv[5] if len(sys.argv) > 5 else None
 os.makedirs(out, exist_ok=True)
 x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
 data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=8)
+if os.environ.get("SAVE_LAST") == "copy":  # last.ckpt saved again at every checkpoint, the step's own file removed
+    saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=1, save_last=True), Kept()]
+else:
+    saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1, save_last="link")]
 trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, logger=False, enable_progress_bar=False,
                      enable_model_summary=False,
                      strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1),
-                     callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1, save_last="link"),
-                                Record()])
+                     callbacks=[*saving, Record()])
 torch.manual_seed(0)
 trainer.fit(Sharded(), data, ckpt_path=resume)
 print(f"rank {trainer.global_rank}: trained to step {trainer.global_step}", flush=True)
 '''
 
 
-def _run(tmp_path, *args: str) -> str:
+def _run(tmp_path, *args: str, env: dict | None = None) -> str:
     script = tmp_path / "sharded.py"
     script.write_text(_SCRIPT)
     out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240,
-                         cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+                         cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout + out.stderr
 
@@ -109,3 +124,28 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
     start = torch.load(tmp_path / "one" / "start.pt")
     assert start["step"] == 8 and start["adam_steps"] == [8.0]
     assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-8.pt"))
+
+
+def test_last_ckpt_saved_again_keeps_each_ranks_checkpointer(tmp_path):
+    """``save_last=True`` saves last.ckpt again at every checkpoint (every 4 steps, an epoch,
+    here). From its third save on, every rank goes on with the checkpointer it has for that
+    path (a new one for each save waited in the step for the last one's commit, and listed
+    the remote tier on every rank); resumed from last.ckpt, training starts from the last
+    save's weights and Adam's step count."""
+    ckpts = tmp_path / "ckpts"
+    _run(tmp_path, str(ckpts), str(tmp_path / "full"), "16", "2", env={"SAVE_LAST": "copy"})
+    for rank in (0, 1):
+        kept = [line.split() for line in (tmp_path / "full" / f"kept-{rank}.txt").read_text().splitlines()]
+        # each checkpoint saves the step's file, then last.ckpt: the second's view is the one that counts
+        assert [int(step) for step, _ in kept[1::2]] == [4, 8, 12, 16], kept
+        at_last = [int(number) for _, number in kept[1::2]]
+        # the first save's checkpointer may be closed once idle (a path saved once is not
+        # kept), the second's is kept for every later save
+        assert at_last[0] == 0 and at_last[1] in (0, at_last[2]) and at_last[2] == at_last[3] > 0, kept
+    [newest, last] = sorted(os.listdir(ckpts))  # top-1: the others removed
+    assert newest.endswith("-step=16.ckpt") and last == "last.ckpt"
+    _run(tmp_path, str(tmp_path / "again"), str(tmp_path / "resumed"), "17", "2", str(ckpts / "last.ckpt"),
+         env={"SAVE_LAST": "copy"})
+    start = torch.load(tmp_path / "resumed" / "start.pt")
+    assert start["step"] == 16 and start["adam_steps"] == [16.0]
+    assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-16.pt"))

@@ -1048,3 +1048,36 @@ def test_a_local_root_holding_another_remotes_checkpoints_is_refused(tmp_path):
     assert main(["prune", local, "--after", "-1"]) == 0
     with Checkpointer(local, remote=f"file://{bucket}/run-44") as ckpt:
         assert ckpt.restore({"w": torch.zeros(4)}) == 0
+
+
+def test_a_bucket_found_is_not_asked_for_again_and_a_missing_one_still_refused(tmp_path, s3_server, monkeypatch):
+    """Each Checkpointer asked the store whether its bucket exists: Lightning's plugin makes
+    one per checkpoint path, and that request sat in every save's stall. A bucket found is
+    asked for once a process (by endpoint and credentials); a missing one is asked for each
+    time, and still refused, naming it."""
+    import weakref
+
+    from resilient import _storage
+
+    monkeypatch.setattr(_storage, "_BUCKETS_FOUND", weakref.WeakKeyDictionary())  # as in a new process
+    fs = fsspec.filesystem("s3", **s3_server["options"])  # fsspec's instance, the one each Checkpointer gets
+    asked: list[str] = []
+    listing = fs.ls
+
+    def counted(path, *args, **kwargs):
+        asked.append(path)
+        return listing(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "ls", counted)
+    prefix = f"s3://{s3_server['bucket']}/asked-{uuid.uuid4().hex[:8]}"
+    for n in range(3):
+        with Checkpointer(str(tmp_path / f"local-{n}"), remote=f"{prefix}/{n}",
+                          storage_options=s3_server["options"]) as ckpt:
+            ckpt.save(1, {"w": torch.ones(4)})
+    # each Checkpointer lists its tier's root as it saves; the first also asked for the bucket there
+    roots = [sum(path == f"{prefix.removeprefix('s3://')}/{n}" for path in asked) for n in range(3)]
+    assert roots[0] == roots[1] + 1 == roots[2] + 1, (roots, asked)
+    for _ in range(2):
+        with pytest.raises(StorageError, match="the bucket 'no-such-bucket-here' does not exist"):
+            Checkpointer(str(tmp_path / "local-missing"), remote="s3://no-such-bucket-here/run",
+                         storage_options=s3_server["options"])
