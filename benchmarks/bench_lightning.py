@@ -41,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from typing import Any, Iterator
 
 import torch
@@ -92,7 +93,11 @@ _REMOTE = "RESILIENT_BENCH_REMOTE"
 
 def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     """A plugin's run here; a strategy's in a process of its own, which Lightning starts its
-    second rank from (rank 0 prints the result)."""
+    second rank from (rank 0 prints the result). Each run drains to a prefix of its own
+    (``--remote``): a later round must not find the names an earlier one left there."""
+    if _REMOTE in os.environ:
+        spec = json.loads(os.environ[_REMOTE])
+        os.environ[_REMOTE] = json.dumps({**spec, "url": f"{spec['bucket']}/{uuid.uuid4().hex[:8]}"})
     if method in PLUGINS:
         return trained(method, layers, saves, root)
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_lightning", "--child", method,
@@ -184,7 +189,7 @@ def _object_store(wanted: bool) -> Iterator[None]:
         endpoint = next(word.split("=", 1)[1] for word in said.split() if word.startswith("AWS_ENDPOINT_URL="))
         bucket = said.split("s3://", 1)[1].split("/", 1)[0]
         options = {"key": S3Server.KEY, "secret": S3Server.SECRET, "client_kwargs": {"endpoint_url": endpoint}}
-        os.environ[_REMOTE] = json.dumps({"url": f"s3://{bucket}", "options": options})
+        os.environ[_REMOTE] = json.dumps({"bucket": f"s3://{bucket}", "url": f"s3://{bucket}", "options": options})
         yield
     finally:
         os.environ.pop(_REMOTE, None)

@@ -135,7 +135,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         its buffers."""
         for path in list(self._saving):
             self._finish(path)
-        self._files.teardown()  # rank 0's deletions; every rank's buffers
+        self._files.teardown()  # rank 0's deletions; every rank's closes and buffers
         super().teardown()
 
     # -- helpers --------------------------------------------------------------------------------
@@ -159,4 +159,5 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         finish(self._saving, path)
 
     def _finish_done(self) -> None:
-        finish_done(self._saving, self._saves)  # this rank's alone: closing a checkpointer is no collective
+        # this rank's alone: closing a checkpointer is no collective
+        finish_done(self._saving, self._saves, self._files._housekeeper.close)

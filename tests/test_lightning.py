@@ -373,7 +373,7 @@ def test_a_path_saved_again_does_not_wait_for_its_upload(tmp_path, monkeypatch):
     step, for the previous one to be drained to the object store: now the path keeps its
     checkpointer, the save waits only for the previous local write, and the upload queue
     takes the newest. A top-k path, saved once, has its checkpointer closed once drained."""
-    from resilient import _transfer
+    from resilient import Checkpointer, _transfer
     from resilient.lightning import ResilientCheckpointIO
 
     held, release, copied = threading.Event(), threading.Event(), []
@@ -389,6 +389,14 @@ def test_a_path_saved_again_does_not_wait_for_its_upload(tmp_path, monkeypatch):
             yield piece
 
     monkeypatch.setattr(_transfer, "_copying", holding)
+    closed_on: dict[str, str] = {}  # root -> the thread that closed its checkpointer
+    closing = Checkpointer.close
+
+    def noted(ckpt, *args, **kwargs):
+        closed_on.setdefault(os.path.basename(ckpt.root), threading.current_thread().name)
+        return closing(ckpt, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "close", noted)
     remote = tmp_path / "bucket"
     io = ResilientCheckpointIO(remote=f"file://{remote}")
     io.save_checkpoint(_checkpoint(1), tmp_path / "epoch=1.ckpt")
@@ -405,6 +413,8 @@ def test_a_path_saved_again_does_not_wait_for_its_upload(tmp_path, monkeypatch):
     assert sorted(io._open) == [str(tmp_path / p) for p in ("epoch=4.ckpt", "last.ckpt")]
     assert io._open[str(tmp_path / "last.ckpt")] is kept  # saved more than once: kept open
     io.teardown()
+    # closed off the step (on every rank but 0 a close waits for rank 0's commit on the store)
+    assert closed_on["epoch=1.ckpt"].startswith("resilient-housekeeping"), closed_on
     # the newest save at each path is the one on the object store, and the one loaded
     fresh = ResilientCheckpointIO(remote=f"file://{remote}")
     for path, epoch in (("last.ckpt", 3), ("epoch=1.ckpt", 1), ("epoch=4.ckpt", 4)):
