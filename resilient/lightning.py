@@ -225,7 +225,8 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         finish(self._open, path)
 
     def _finish_done(self) -> None:
-        finish_done(self._open, self._saves, self._housekeeper.close)
+        for path in done_with(self._open, self._saves):
+            self._housekeeper.close(self._open.pop(path))
 
 
 def next_number(ckpt: Checkpointer, newest: Callable[[], int | None]) -> int:
@@ -246,23 +247,28 @@ def finish(saving: dict[str, Checkpointer], path: str) -> None:
             ckpt.close()
 
 
-def finish_done(saving: dict[str, Checkpointer], saves: Counter[str], close: Callable[[Checkpointer], None]) -> None:
-    """Have ``close`` close the checkpointers in ``saving`` whose save has committed and
-    drained (their threads need not linger), except those of paths saved more than once
-    (``saves``), such as ``last.ckpt``: the next save there goes on with the same checkpointer.
+def done_with(saving: dict[str, Checkpointer], saves: Counter[str]) -> list[str]:
+    """The paths in ``saving`` whose checkpointers may be closed: their save has committed
+    and drained (their threads need not linger), and the path was saved once (``saves``;
+    ``last.ckpt``, saved again and again, goes on with its checkpointer). A save that failed
+    in the background is raised here, once (its checkpointer closed), as Lightning's
+    ``AsyncCheckpointIO`` raises at the next save.
 
-    Why kept: a new checkpointer for each save of a path waited, inside the step, for the
-    previous save there to be committed and drained to the object store, then listed the
-    store for its number (4 MB to a local S3 server: 0.18 s a save, against 0.02 s without
-    ``remote=``). Kept, the path's next save waits only for the previous one's local write,
-    as any Checkpointer's does, and the upload queue takes the rest."""
+    Why paths saved again keep theirs: a new checkpointer for each save of a path waited,
+    inside the step, for the previous save there to be committed and drained to the object
+    store, then listed the store for its number (4 MB to a local S3 server: 0.18 s a save,
+    against 0.02 s without ``remote=``). Kept, the path's next save waits only for the
+    previous one's local write, as any Checkpointer's does, and the upload queue takes the
+    rest."""
+    done = []
     for path, ckpt in list(saving.items()):
         handle = ckpt._inflight
         if handle is not None and handle.done() and handle._error is not None:
-            finish(saving, path)  # raises it, once, as Lightning's AsyncCheckpointIO raises at the next save
+            finish(saving, path)  # raises
         elif (saves[path] < 2 and (handle is None or handle.done())
               and not (ckpt._uploader and ckpt._uploader.pending())):
-            close(saving.pop(path))
+            done.append(path)
+    return done
 
 
 #: every plugin in this process, for ``load_from_checkpoint`` (``_teach_load_from_checkpoint``)
@@ -421,7 +427,7 @@ class _SharedBuffers:
     def save(self, ckpt: Checkpointer, step: int, state: Any) -> None:
         """``ckpt`` saves ``state`` as ``step`` into a buffer no save is being written from.
         The buffer is picked at each save: a checkpointer kept for a path saved again
-        (``finish_done``) holds none between its saves."""
+        (``done_with``) holds none between its saves."""
         slot = self.free_slot()
         ckpt._staging = slot.staging
         ckpt.save(step, state, force=True)
@@ -435,7 +441,7 @@ class _SharedBuffers:
 
 class _Housekeeper:
     """Deletes the checkpoints Lightning removes, and their copies on the remote tier, and
-    closes the checkpointers done with their saves (``finish_done``), on a thread of its own.
+    closes the checkpointers done with their saves (``done_with``), on a thread of its own.
 
     Why: Lightning removes a checkpoint (``save_top_k``) inside the training step, and
     deleting a 1 GB checkpoint's files took 0.77-1.0 s here. A removed directory is renamed
