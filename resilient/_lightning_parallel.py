@@ -28,6 +28,7 @@ from .lightning import (
     _storable,
     done_with,
     finish,
+    finish_all,
     next_number,
 )
 
@@ -128,11 +129,14 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
     # -- the end --------------------------------------------------------------------------------
     def teardown(self) -> None:
         """Commit (and drain to ``remote``) every save still in flight on this rank; free
-        its buffers."""
-        for path in list(self._saving):
-            self._finish(path)
-        self._files.teardown()  # rank 0's deletions; every rank's closes and buffers
-        super().teardown()
+        its buffers. A save that failed is raised once all that is done."""
+        failed = finish_all(self._saving)
+        try:
+            self._files.teardown()  # rank 0's deletions; every rank's closes and buffers
+        finally:
+            super().teardown()
+        if failed is not None:
+            raise failed
 
     # -- helpers --------------------------------------------------------------------------------
     def _agreed(self, filepath: Any, action: str, replace: bool = False) -> tuple[str, bool]:

@@ -179,7 +179,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         if self.remote:  # its copy on the object store goes too, as Lightning's own plugin deletes a remote path
             name = os.path.basename(path)
             self._housekeeper.delete_remote(open_storage(self.remote, self.storage_options), name,
-                                        f"{self.remote}/{name}", ckpt._uploader if ckpt is not None else None)
+                                            f"{self.remote}/{name}", ckpt._uploader if ckpt is not None else None)
 
     def _checkpointer(self, path: str, coordinator: Coordinator | None = None) -> Checkpointer:
         """The Checkpointer of the checkpoint at ``path`` (``coordinator``: the ranks that
@@ -214,11 +214,13 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     def teardown(self) -> None:
         """Commit (and drain to ``remote``) every save still in flight, finish the
-        deletions asked for; free the buffers."""
-        for path in list(self._open):
-            self._finish(path)
+        deletions asked for; free the buffers. A save that failed is raised once all that
+        is done."""
+        failed = finish_all(self._open)
         self._housekeeper.finish()
         self._buffers.close()
+        if failed is not None:
+            raise failed
 
     # -- in-flight saves -----------------------------------------------------------------------
     def _finish(self, path: str) -> None:
@@ -245,6 +247,17 @@ def finish(saving: dict[str, Checkpointer], path: str) -> None:
             ckpt.flush() if ckpt.remote else ckpt.wait()  # a failed save raises here
         finally:
             ckpt.close()
+
+
+def finish_all(saving: dict[str, Checkpointer]) -> Exception | None:
+    """``finish`` every save in ``saving``, whichever fails; the first failure."""
+    failed: Exception | None = None
+    for path in list(saving):
+        try:
+            finish(saving, path)
+        except Exception as exc:  # noqa: BLE001 - raised by the caller once the rest is finished
+            failed = failed or exc
+    return failed
 
 
 def done_with(saving: dict[str, Checkpointer], saves: Counter[str]) -> list[str]:

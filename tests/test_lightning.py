@@ -452,6 +452,18 @@ def test_a_failed_save_is_raised_at_the_next_save_once(tmp_path, monkeypatch):
     io.save_checkpoint(_checkpoint(4), tmp_path / "last.ckpt")
     io.teardown()
     assert io.load_checkpoint(tmp_path / "last.ckpt")["epoch"] == 4
+    # failed in the last save before the end of fit: raised by teardown, once every other
+    # save is committed
+    monkeypatch.setenv("RESILIENT_FAULT_DIR", str(tmp_path / "faults-again"))
+    io = ResilientCheckpointIO()
+    io.save_checkpoint(_checkpoint(5), tmp_path / "a.ckpt")
+    io.save_checkpoint(_checkpoint(5), tmp_path / "b.ckpt")
+    io.save_checkpoint(_checkpoint(6), tmp_path / "a.ckpt")  # its second save: fails
+    io.save_checkpoint(_checkpoint(6), tmp_path / "b.ckpt")
+    with pytest.raises(CommitError, match="step 2"):
+        io.teardown()
+    assert io._open == {} and io.load_checkpoint(tmp_path / "b.ckpt")["epoch"] == 6
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["epoch"] == 5
 
 
 def test_a_checkpoint_removed_while_it_goes_up_stops_quietly(tmp_path, monkeypatch, caplog):
