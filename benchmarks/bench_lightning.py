@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -55,7 +56,9 @@ WIDTH = 4096
 
 
 def _timed(base: type, **kwargs: Any) -> Any:
-    """An instance of ``base`` whose ``save_checkpoint`` times itself into ``save_seconds``."""
+    """An instance of ``base`` whose ``save_checkpoint`` and ``remove_checkpoint`` (top-k's
+    removal of the previous file, also inside the step) time themselves into
+    ``save_seconds`` and ``remove_seconds``."""
 
     class Timed(base):  # type: ignore[misc, valid-type]
         def save_checkpoint(self, *args: Any, **kw: Any) -> None:
@@ -63,8 +66,13 @@ def _timed(base: type, **kwargs: Any) -> Any:
             super().save_checkpoint(*args, **kw)
             self.save_seconds.append(time.perf_counter() - started)
 
+        def remove_checkpoint(self, *args: Any, **kw: Any) -> None:
+            started = time.perf_counter()
+            super().remove_checkpoint(*args, **kw)
+            self.remove_seconds.append(time.perf_counter() - started)
+
     timed = Timed(**kwargs)
-    timed.save_seconds = []
+    timed.save_seconds, timed.remove_seconds = [], []
     return timed
 
 
@@ -147,15 +155,18 @@ def trained(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     nbytes = 3 * layers * WIDTH * (WIDTH + 1) * 4  # weights and two Adam moments, all ranks together
     if trainer.global_rank == 0:
         shutil.rmtree(f"{root}/{method}", ignore_errors=True)
-    return {"method": method, "save_s": saver.save_seconds, "fit_s": total, "bytes": nbytes,
+    return {"method": method, "save_s": saver.save_seconds, "remove_s": saver.remove_seconds, "fit_s": total,
+            "bytes": nbytes,
             "ranks": arguments["devices"]}
 
 
 def table(results: dict[str, Any]) -> str:
     memcpy = results["memcpy_s"]
+    removals = any("remove_s" in r for r in results["runs"])  # runs before December 7's lack them
     rows = ["| method | ranks | state (all ranks) | first checkpoint's two saves | later saves (median, range; "
-            f"x memcpy of a rank's share) | `fit` of {2 * results['saves']} steps, all written |",
-            "|---|---|---|---|---|---|"]
+            f"x memcpy of a rank's share) |{' removals of the previous file (median, max) |' if removals else ''} "
+            f"`fit` of {2 * results['saves']} steps, all written |",
+            "|---|---|---|---|---|---|" + ("---|" if removals else "")]
     for method in METHODS:
         runs = [r for r in results["runs"] if r["method"] == method]
         if not runs:
@@ -163,10 +174,12 @@ def table(results: dict[str, Any]) -> str:
         ranks = runs[0].get("ranks", 1)
         first = [f"{r['save_s'][0]:.2f}+{r['save_s'][1]:.2f}" for r in runs]
         later = stall_cell([s for r in runs for s in r["save_s"][2:]], memcpy / ranks)
+        removed = [s for r in runs for s in r.get("remove_s", [])]
+        removal = f" {statistics.median(removed):.3f} s, {max(removed):.3f} s |" if removed else " – |"
         fits = ", ".join(f"{r['fit_s']:.1f}" for r in runs)
         name = f"{method}, `remote=`" if results.get("remote") and method.startswith("Resilient") else method
-        rows.append(f"| {name} | {ranks} | {runs[0]['bytes'] / 1e9:.2f} GB | {', '.join(first)} s | {later} | "
-                    f"{fits} s |")
+        rows.append(f"| {name} | {ranks} | {runs[0]['bytes'] / 1e9:.2f} GB | {', '.join(first)} s | {later} |"
+                    f"{removal if removals else ''} {fits} s |")
     return "\n".join(rows) + f"\n\nmemcpy of the whole state's bytes: {memcpy:.3f} s"
 
 

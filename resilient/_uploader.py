@@ -196,6 +196,11 @@ class Uploader:
         with self._cond:
             return step in self._done
 
+    def busy(self) -> bool:
+        """Whether a step is being uploaded or waits to be."""
+        with self._cond:
+            return self._current is not None or bool(self._queue)
+
     def pending(self) -> list[int]:
         with self._cond:
             return list(self._queue)

@@ -172,14 +172,23 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             return
         path = _key(path)
         ckpt = self._open.pop(path, None)
-        if ckpt is not None:  # its writer may still be moving files under ``path``
+        if ckpt is not None:  # its writer may still be moving files under ``path``; its uploader is told to stop
             ckpt.abandon(wait=ckpt.commit_timeout)
+        self._remove(path, ckpt._uploader if ckpt is not None else None)
+
+    def _remove(self, path: str, uploading: Uploader | None) -> None:
+        """Delete the checkpoint directory at ``path``, and its copy on the object store (as
+        Lightning's own plugin deletes a remote path) once ``uploading``, its uploader told
+        to stop, has stopped; both off the step."""
         if os.path.isdir(path):
             self._housekeeper.delete(path)
-        if self.remote:  # its copy on the object store goes too, as Lightning's own plugin deletes a remote path
-            name = os.path.basename(path)
-            self._housekeeper.delete_remote(open_storage(self.remote, self.storage_options), name,
-                                            f"{self.remote}/{name}", ckpt._uploader if ckpt is not None else None)
+        if self.remote:
+            self._remove_remote(path, uploading)
+
+    def _remove_remote(self, path: str, uploading: Uploader | None) -> None:
+        name = os.path.basename(path)
+        self._housekeeper.delete_remote(open_storage(self.remote, self.storage_options), name,
+                                        f"{self.remote}/{name}", uploading)
 
     def _checkpointer(self, path: str, coordinator: Coordinator | None = None) -> Checkpointer:
         """The Checkpointer of the checkpoint at ``path`` (``coordinator``: the ranks that

@@ -77,7 +77,8 @@ else:
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1, save_last="link")]
 trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, logger=False, enable_progress_bar=False,
                      enable_model_summary=False,
-                     strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1),
+                     strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1,
+                                                             remote=os.environ.get("REMOTE")),
                      callbacks=[*saving, Record()])
 torch.manual_seed(0)
 trainer.fit(Sharded(), data, ckpt_path=resume)
@@ -128,12 +129,12 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
 
 def test_last_ckpt_saved_again_keeps_each_ranks_checkpointer(tmp_path):
     """``save_last=True`` saves last.ckpt again at every checkpoint (every 4 steps, an epoch,
-    here). From its third save on, every rank goes on with the checkpointer it has for that
-    path (a new one for each save waited in the step for the last one's commit, and listed
-    the remote tier on every rank); resumed from last.ckpt, training starts from the last
-    save's weights and Adam's step count."""
-    ckpts = tmp_path / "ckpts"
-    _run(tmp_path, str(ckpts), str(tmp_path / "full"), "16", "2", env={"SAVE_LAST": "copy"})
+    here), drained to an object store (a directory). From its third save on, every rank goes
+    on with the checkpointer it has for that path (a new one for each save waited in the
+    step for the last one's upload, and listed the remote tier on every rank); resumed from
+    last.ckpt, training starts from the last save's weights and Adam's step count."""
+    ckpts, bucket = tmp_path / "ckpts", tmp_path / "bucket"
+    _run(tmp_path, str(ckpts), str(tmp_path / "full"), "16", "2", env={"SAVE_LAST": "copy", "REMOTE": f"file://{bucket}"})
     for rank in (0, 1):
         kept = [line.split() for line in (tmp_path / "full" / f"kept-{rank}.txt").read_text().splitlines()]
         # each checkpoint saves the step's file, then last.ckpt: the second's view is the one that counts
@@ -144,6 +145,13 @@ def test_last_ckpt_saved_again_keeps_each_ranks_checkpointer(tmp_path):
         assert at_last[0] == 0 and at_last[1] in (0, at_last[2]) and at_last[2] == at_last[3] > 0, kept
     [newest, last] = sorted(os.listdir(ckpts))  # top-1: the others removed
     assert newest.endswith("-step=16.ckpt") and last == "last.ckpt"
+    # on the object store too: the removed files' copies deleted once each rank's upload
+    # stopped, off the step, with nothing of theirs landed after
+    assert sorted(os.listdir(bucket)) == [newest, last]
+    for name in (newest, last):
+        [step] = [n for n in os.listdir(bucket / name) if n.startswith("step-")]
+        uploaded = sorted(n for n in os.listdir(bucket / name / step) if ".checked-" not in n)  # (check markers)
+        assert uploaded == sorted(os.listdir(ckpts / name / step))
     _run(tmp_path, str(tmp_path / "again"), str(tmp_path / "resumed"), "17", "2", str(ckpts / "last.ckpt"),
          env={"SAVE_LAST": "copy"})
     start = torch.load(tmp_path / "resumed" / "start.pt")
