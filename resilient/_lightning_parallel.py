@@ -81,8 +81,10 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         # a sequence number, not the global step: the same path may be saved twice at one
         # step. A new checkpointer's is agreed: each rank's local tier, and the remote tier
         # as rank 0 lists it (when the path's name may be there)
-        asks = self.is_global_zero and self._files._may_be_remote(path)
-        newest = lambda: ckpt._coord.agree_max(ckpt._latest(remote=asks) or 0)  # noqa: E731
+        def newest() -> int:
+            asks = self.is_global_zero and self._files._may_be_remote(path)
+            return ckpt._coord.agree_max(ckpt._latest(remote=asks) or 0)
+
         self._files._buffers.save(ckpt, next_number(ckpt, newest), state)
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -368,27 +368,37 @@ def test_a_strategy_that_saves_without_the_plugin_is_named_when_the_trainer_is_m
     assert "pytorch_lightning's Trainer with strategy=resilient.lightning.ResilientModelParallelStrategy" in message
 
 
+def _held_upload(monkeypatch, root: str | None = None) -> tuple[threading.Event, threading.Event, list]:
+    """(held, release, copied): the first upload to a directory (of the checkpoint named
+    ``root``, if given) waits in its first piece, ``held`` set, until ``release`` is set;
+    ``copied`` gets (checkpoint name, step) for every piece that goes up."""
+    from resilient import _transfer
+
+    held, release, copied = threading.Event(), threading.Event(), []
+    copying = _transfer._copying
+
+    def holding(src, dst, step, fname, manifest, progress):
+        name = os.path.basename(src.storage.root)
+        for piece in copying(src, dst, step, fname, manifest, progress):
+            if root in (None, name) and not held.is_set():
+                held.set()
+                assert release.wait(60), "never released"
+            copied.append((name, step))
+            yield piece
+
+    monkeypatch.setattr(_transfer, "_copying", holding)
+    return held, release, copied
+
+
 def test_a_path_saved_again_does_not_wait_for_its_upload(tmp_path, monkeypatch):
     """``last.ckpt`` is saved at every checkpoint. Each save there used to wait, inside the
     step, for the previous one to be drained to the object store: now the path keeps its
     checkpointer, the save waits only for the previous local write, and the upload queue
     takes the newest. A top-k path, saved once, has its checkpointer closed once drained."""
-    from resilient import Checkpointer, _transfer
+    from resilient import Checkpointer
     from resilient.lightning import ResilientCheckpointIO
 
-    held, release, copied = threading.Event(), threading.Event(), []
-    copying = _transfer._copying
-
-    def holding(src, dst, step, fname, manifest, progress):  # last.ckpt's first upload waits in its first piece
-        last = os.path.basename(src.storage.root) == "last.ckpt"
-        for piece in copying(src, dst, step, fname, manifest, progress):
-            if last and not held.is_set():
-                held.set()
-                assert release.wait(60), "never released"
-            copied.append((last, step))
-            yield piece
-
-    monkeypatch.setattr(_transfer, "_copying", holding)
+    held, release, copied = _held_upload(monkeypatch, "last.ckpt")
     closed_on: dict[str, str] = {}  # root -> the thread that closed its checkpointer
     closing = Checkpointer.close
 
@@ -406,7 +416,7 @@ def test_a_path_saved_again_does_not_wait_for_its_upload(tmp_path, monkeypatch):
     io.save_checkpoint(_checkpoint(2), tmp_path / "last.ckpt")  # waited here for the held upload
     assert not release.is_set() and io._open[str(tmp_path / "last.ckpt")] is kept
     io.save_checkpoint(_checkpoint(3), tmp_path / "last.ckpt")
-    assert (True, 1) not in copied and not kept._uploader.uploaded(1)  # last.ckpt's first upload is still held
+    assert ("last.ckpt", 1) not in copied and not kept._uploader.uploaded(1)  # its first upload is still held
     release.set()
     kept.flush(timeout=60)
     io.save_checkpoint(_checkpoint(4), tmp_path / "epoch=4.ckpt")  # epoch=1.ckpt's, drained, is closed
@@ -473,17 +483,7 @@ def test_a_checkpoint_removed_while_it_goes_up_stops_quietly(tmp_path, monkeypat
     from resilient import _transfer
     from resilient.lightning import ResilientCheckpointIO
 
-    held, release = threading.Event(), threading.Event()
-    copying = _transfer._copying
-
-    def holding(src, dst, step, fname, manifest, progress):  # the upload waits in its first piece
-        for piece in copying(src, dst, step, fname, manifest, progress):
-            if not held.is_set():
-                held.set()
-                assert release.wait(60), "never released"
-            yield piece
-
-    monkeypatch.setattr(_transfer, "_copying", holding)
+    held, release, _ = _held_upload(monkeypatch)
     monkeypatch.setattr(_transfer, "LOCAL_SPAN", 1 << 20)
     io = ResilientCheckpointIO(remote=f"file://{tmp_path / 'bucket'}")
     big = {"epoch": 1, "state_dict": {"w": torch.randn(4 << 20)}}  # 16 MB: pieces left after the first
