@@ -26,8 +26,9 @@ in the same run, is the floor of any stall (of a rank's share, for the strategie
 ``--render`` prints the table of a results file again.
 
 ``--remote`` drains resilient's checkpoints to an object store as well (``remote=``): moto's
-S3 server, started here on loopback (on the same cores). Lightning's own plugins still write
-to the local disk alone; what is compared there is resilient with and without a remote tier.
+S3 server, started here on loopback in a process of its own (on the same cores). Lightning's
+own plugins still write to the local disk alone; what is compared there is resilient with
+and without a remote tier.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def _saver(method: str) -> tuple[dict[str, Any], Any]:
     return {"devices": 2, "strategy": strategy}, strategy
 
 
-#: where ``--remote``'s object store is, for this process and the strategies' (JSON: url, options)
+#: where ``--remote``'s object store is, for this process and the strategies' (JSON: bucket,
+#: options, and the url of the run going on)
 _REMOTE = "RESILIENT_BENCH_REMOTE"
 
 
@@ -156,8 +158,7 @@ def trained(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     if trainer.global_rank == 0:
         shutil.rmtree(f"{root}/{method}", ignore_errors=True)
     return {"method": method, "save_s": saver.save_seconds, "remove_s": saver.remove_seconds, "fit_s": total,
-            "bytes": nbytes,
-            "ranks": arguments["devices"]}
+            "bytes": nbytes, "ranks": arguments["devices"]}
 
 
 def table(results: dict[str, Any]) -> str:
@@ -202,7 +203,7 @@ def _object_store(wanted: bool) -> Iterator[None]:
         endpoint = next(word.split("=", 1)[1] for word in said.split() if word.startswith("AWS_ENDPOINT_URL="))
         bucket = said.split("s3://", 1)[1].split("/", 1)[0]
         options = {"key": S3Server.KEY, "secret": S3Server.SECRET, "client_kwargs": {"endpoint_url": endpoint}}
-        os.environ[_REMOTE] = json.dumps({"bucket": f"s3://{bucket}", "url": f"s3://{bucket}", "options": options})
+        os.environ[_REMOTE] = json.dumps({"bucket": f"s3://{bucket}", "options": options})  # a url per run: one_run
         yield
     finally:
         os.environ.pop(_REMOTE, None)

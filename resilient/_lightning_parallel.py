@@ -19,6 +19,8 @@ import os
 from collections import Counter
 from typing import Any, Mapping
 
+import torch.distributed as dist
+
 from ._checkpointer import Checkpointer
 from .lightning import (
     ResilientCheckpointIO,
@@ -26,6 +28,7 @@ from .lightning import (
     _lightning_packages,
     _local,
     _storable,
+    checkpointer_for,
     done_with,
     finish,
     finish_all,
@@ -74,10 +77,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         state = {"state_dict": checkpoint.pop("state_dict"),
                  "optimizer_states": checkpoint.pop("optimizer_states", []),
                  "lightning": {k: _storable(v, k, replaced) for k, v in checkpoint.items()}}
-        ckpt = self._saving.get(path)
-        if ckpt is None:
-            ckpt = self._saving[path] = self._files._checkpointer(path)
-        self._saves[path] += 1
+        ckpt = checkpointer_for(self._saving, self._saves, path, lambda: self._files._checkpointer(path))
         # a sequence number, not the global step: the same path may be saved twice at one
         # step. A new checkpointer's is agreed: each rank's local tier, and the remote tier
         # as rank 0 lists it (when the path's name may be there)
@@ -176,8 +176,6 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         choice closed one rank's while the other's upload was still running: that rank then
         waited in the step for its upload and for rank 0's commit on the store (0.9 s, 0.2 GB
         on 2 ranks, moto's server)."""
-        import torch.distributed as dist
-
         mine = done_with(self._saving, self._saves)
         everyone: list[list[str] | None] = [None] * self.world_size
         dist.all_gather_object(everyone, mine)

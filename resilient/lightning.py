@@ -130,10 +130,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         state = {k: _storable(v, k, replaced) for k, v in checkpoint.items()}
         if replaced:
             log.warning("resilient: stored as text (cannot be saved without pickle): %s", ", ".join(replaced[:10]))
-        ckpt = self._open.get(path)
-        if ckpt is None:
-            ckpt = self._open[path] = self._checkpointer(path, SoloCoordinator())
-        self._saves[path] += 1
+        ckpt = checkpointer_for(self._open, self._saves, path, lambda: self._checkpointer(path, SoloCoordinator()))
         # a sequence number, not the global step: the same path may be saved twice at one step
         self._buffers.save(ckpt, next_number(ckpt, lambda: ckpt._latest(remote=self._may_be_remote(path))), state)
 
@@ -240,6 +237,18 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             self._housekeeper.close(self._open.pop(path))
 
 
+def checkpointer_for(saving: dict[str, Checkpointer], saves: Counter[str], path: str,
+                     make: Callable[[], Checkpointer]) -> Checkpointer:
+    """The checkpointer a save at ``path`` goes to: the one ``saving`` holds for it (a save
+    in flight there, or a path saved again: ``done_with``), else a new one (``make``); the
+    save counted in ``saves``."""
+    ckpt = saving.get(path)
+    if ckpt is None:
+        ckpt = saving[path] = make()
+    saves[path] += 1
+    return ckpt
+
+
 def next_number(ckpt: Checkpointer, newest: Callable[[], int | None]) -> int:
     """The number of ``ckpt``'s next save: one past its last, or, for its first, one past
     ``newest()`` (the newest step at its path on any tier: a new node's save must come after
@@ -252,8 +261,11 @@ def finish(saving: dict[str, Checkpointer], path: str) -> None:
     """Commit (and drain) the save in flight at ``path`` in ``saving``, and close its checkpointer."""
     ckpt = saving.pop(path, None)
     if ckpt is not None:
-        try:
-            ckpt.flush() if ckpt.remote else ckpt.wait()  # a failed save raises here
+        try:  # a failed save raises here
+            if ckpt.remote:
+                ckpt.flush()
+            else:
+                ckpt.wait()
         finally:
             ckpt.close()
 
