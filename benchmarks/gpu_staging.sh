@@ -39,4 +39,9 @@ rm -rf "$DIR"; mkdir -p "$DIR"
 timeout "$(left)" python3 -m benchmarks.bench_restore_device --device "${DEVICE:-cuda}" \
     --sizes "${RESTORE_SIZES:-8}" --repeats 2 --dir "$DIR" --json "$OUT/restore-cuda.json" 2>&1 | tee "$OUT/restore-cuda.log"
 rm -rf "$DIR"
+# last, with what is left: Lightning's strategy hands the save its shards on the device
+if (( $(left) > 60 )); then
+    timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/test_lightning_parallel.py -k on_a_gpu 2>&1 \
+        | tee "$OUT/gpu-lightning.log"
+fi
 exit "$rc"

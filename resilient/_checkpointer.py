@@ -35,7 +35,7 @@ from ._preempt import watch as watch_preemption
 from ._policy import RetentionPolicy, retention_policy, save_policy, to_delete
 from ._restore import OtherRankFailed, load_checkpoint
 from ._rng import apply_rng, capture_rng, parse_rng
-from ._plan import describe, gather_descriptions, plan_rank
+from ._plan import plan_layout
 from ._snapshot import RankPlan, Staging, layout_key
 from ._storage import (LocalStorage, Storage, missing_bucket, open_storage, refuse_a_mistyped_url,
                        refuse_a_root_that_is_no_directory)
@@ -721,11 +721,8 @@ class Checkpointer:
         key = layout_key(flat.tensors)
         changed = self._plan is None or self._plan[0] != key
         if self._coord.agree_max(int(changed)):
-            descriptions = gather_descriptions(self._coord.all_gather, self._coord.rank,
-                                               describe(flat.tensors, flat.per_rank,
-                                                        alone=self._coord.world_size == 1))
-            self._plan = (key, plan_rank(flat.tensors, flat.per_rank, descriptions, self._coord.rank,
-                                         self._coord.world_size))
+            self._plan = (key, plan_layout(flat.tensors, flat.per_rank, self._coord.rank, self._coord.world_size,
+                                           self._coord.all_gather))
         return self._plan[1]
 
     def _count(self, handle: SaveHandle) -> None:

@@ -20,8 +20,13 @@ from collections import Counter
 from typing import Any, Mapping
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ._checkpointer import Checkpointer
+from ._errors import ResilientError
+from ._plan import plan_layout
+from ._snapshot import Staging
+from ._tree import flatten_state
 from .lightning import (
     ResilientCheckpointIO,
     _key,
@@ -36,6 +41,21 @@ from .lightning import (
 )
 
 __all__ = ["ResilientModelParallelStrategy"]
+
+
+#: room in each staging buffer for what ``_prepare_buffers`` does not size it for:
+#: Lightning's own tensors (``ModelCheckpoint``'s scores, a grad scaler's), 64 bytes each
+_ROOM = 1 << 20
+
+#: the shards as they are: sharded (``save_distributed_checkpoint``), on their device
+_IN_PLACE = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def _gathered(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def _model_parallel_base() -> type:
@@ -64,6 +84,54 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         self._files = ResilientCheckpointIO(remote=remote, storage_options=storage_options, compress=compress)
         self._saving: dict[str, Checkpointer] = {}  # path -> this rank's checkpointer with a save in flight, or kept
         self._saves: Counter[str] = Counter()  # path -> saves of it in this process
+        self._unstepped: set[int] | None = None  # the optimizers not stepped yet (None: before the first step)
+
+    # -- collecting the state -------------------------------------------------------------------
+    # Lightning's ModelParallelStrategy collects the shards with ``cpu_offload=True``: on an
+    # accelerator, a blocking copy of every shard into new pageable host memory, inside the
+    # step, before the save is called. The save stages them itself (into its pinned buffer,
+    # and with ``staging="overlap"`` beside the step), so they are taken where they are.
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model, options=_IN_PLACE)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=_IN_PLACE)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The step; once every optimizer has made its first, the buffers of the first
+        checkpoint are made (``_prepare_buffers``): the optimizers' state exists then."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._unstepped is None:
+            self._unstepped = {id(o) for o in self.optimizers}
+        if self._unstepped:
+            self._unstepped.discard(id(getattr(optimizer, "_optimizer", optimizer)))
+            if not self._unstepped:
+                self._prepare_buffers()
+        return result
+
+    def _prepare_buffers(self) -> None:
+        """Size the staging buffers for the state the saves will be given (the shards of the
+        model and the optimizers; Lightning's own tensors, a few scores, go in ``_ROOM``) and
+        make them now, touched in the background (``_SharedBuffers.prepare``). Collective:
+        every rank makes its optimizer steps in the same order."""
+        state = {"state_dict": self.lightning_module_state_dict(),
+                 "optimizer_states": [self.optimizer_state(o) for o in self.optimizers]}
+        try:
+            flat = flatten_state(state, self.global_rank)
+        except Exception:  # noqa: BLE001 - the save refuses it, naming the key
+            flat = None
+        if not self.reduce_boolean_decision(flat is not None, all=True):
+            return
+        assert flat is not None
+        try:
+            plan = plan_layout(flat.tensors, flat.per_rank, self.global_rank, self.world_size, _gathered)
+        except ResilientError:  # refused alike on every rank (planned from what all gathered): the save says why
+            return
+        self._files._buffers.prepare(plan.nbytes + _ROOM, Staging.on_device(flat.tensors))
 
     # -- saving ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -141,6 +209,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
     def teardown(self) -> None:
         """Commit (and drain to ``remote``) every save still in flight on this rank; free
         its buffers. A save that failed is raised once all that is done."""
+        self._unstepped = None  # a later fit prepares its buffers again
         failed = finish_all(self._saving)
         try:
             self._files.teardown()  # rank 0's deletions; every rank's closes and buffers
@@ -177,7 +246,5 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         waited in the step for its upload and for rank 0's commit on the store (0.9 s, 0.2 GB
         on 2 ranks, moto's server)."""
         mine = done_with(self._saving, self._saves)
-        everyone: list[list[str] | None] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine)
-        for path in set(mine).intersection(*everyone):  # type: ignore[arg-type]
+        for path in set(mine).intersection(*_gathered(mine)):
             self._files._housekeeper.close(self._saving.pop(path))

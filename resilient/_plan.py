@@ -370,3 +370,12 @@ def plan_rank(
         offset += piece.length
     signature = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
     return RankPlan(blobs, meta, signature, replicated, shards)
+
+
+def plan_layout(tensors: dict[str, torch.Tensor], per_rank: set[str], rank: int, world_size: int,
+                all_gather: Callable[[object], list[Any]]) -> RankPlan:
+    """This rank's plan, from every rank's description (``all_gather``: collective). One
+    piece for a Checkpointer's saves and for what sizes a staging buffer ahead of them (a
+    Lightning strategy's first optimizer step), so that both size it alike."""
+    description = describe(tensors, per_rank, alone=world_size == 1)
+    return plan_rank(tensors, per_rank, gather_descriptions(all_gather, rank, description), rank, world_size)

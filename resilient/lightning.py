@@ -458,6 +458,21 @@ class _SharedBuffers:
         oldest.handle.settled()  # type: ignore[union-attr]
         return oldest
 
+    def prepare(self, nbytes: int, pin: bool) -> None:
+        """Make every buffer now, ``nbytes`` each, and touch its pages in a background thread
+        (``Staging.prewarm``), unless a save has made one already.
+
+        Why: Lightning calls nothing of the plugin's or a strategy's between the start of
+        training and the first checkpoint, so the first checkpoint's two saves made their
+        buffers in their stalls, at this VM's 1.45 s/GB of first touch: 1.3-1.6 s each for a
+        rank's 0.5 GB on two ranks, against 0.11 s for a later save. A strategy sees every
+        optimizer step, and sizes the buffers at the first (``_prepare_buffers``)."""
+        if self._slots:
+            return
+        self._slots = [_Slot(Staging()) for _ in range(self._most)]
+        for slot in self._slots:
+            slot.staging.prewarm(nbytes, pin)
+
     def save(self, ckpt: Checkpointer, step: int, state: Any) -> None:
         """``ckpt`` saves ``state`` as ``step`` into a buffer no save is being written from.
         The buffer is picked at each save: a checkpointer kept for a path saved again

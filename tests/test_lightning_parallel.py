@@ -15,7 +15,7 @@ pytest.importorskip("pytorch_lightning")
 pytestmark = pytest.mark.timeout(300)
 
 _SCRIPT = '''
-import os, sys, torch
+import os, sys, time, torch
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.distributed.fsdp import fully_shard
@@ -66,6 +66,26 @@ class Kept(Callback):
         with open(os.path.join(out, f"kept-{trainer.global_rank}.txt"), "a") as f:
             f.write(f"{trainer.global_step} {getattr(ckpt, 'number', 0)}\\n")
 
+class Buffers(Callback):
+    """The staging buffers: made at the first optimizer step (before any save), tagged at the
+    end of that step; whether they are the ones the saves use, at each checkpoint's step and
+    the step after it; and where the first save's shards are (their device)."""
+    def on_train_batch_end(self, trainer, module, *rest):
+        slots, step = trainer.strategy._files._buffers._slots, trainer.global_step
+        if step == 1:
+            for slot in slots:
+                for _ in range(1000):  # mapped at once where the kernel populates; else by the thread
+                    if slot.staging._memory is not None:
+                        break
+                    time.sleep(0.01)
+                slot.staging._memory.tagged = True
+        tagged = [getattr(slot.staging._memory, "tagged", False) for slot in slots]
+        with open(os.path.join(out, f"buffers-{trainer.global_rank}.txt"), "a") as f:
+            f.write(f"{step} {len(slots)} {sum(tagged)}\\n")
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        with open(os.path.join(out, f"devices-{trainer.global_rank}.txt"), "a") as f:
+            f.write(" ".join(sorted({v.device.type for v in checkpoint["state_dict"].values()})) + "\\n")
+
 ckpts, out, steps, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 resume = sys.argv[5] if len(sys.argv) > 5 else None
 os.makedirs(out, exist_ok=True)
@@ -75,11 +95,11 @@ if os.environ.get("SAVE_LAST") == "copy":  # last.ckpt saved again at every chec
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=1, save_last=True), Kept()]
 else:
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1, save_last="link")]
-trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=ranks, logger=False, enable_progress_bar=False,
+trainer = pl.Trainer(max_steps=steps, accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=ranks, logger=False, enable_progress_bar=False,
                      enable_model_summary=False,
                      strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1,
                                                              remote=os.environ.get("REMOTE")),
-                     callbacks=[*saving, Record()])
+                     callbacks=[*saving, Record(), Buffers()])
 torch.manual_seed(0)
 trainer.fit(Sharded(), data, ckpt_path=resume)
 print(f"rank {trainer.global_rank}: trained to step {trainer.global_step}", flush=True)
@@ -111,6 +131,13 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
     ckpts = tmp_path / "ckpts"
     said = _run(tmp_path, str(ckpts), str(tmp_path / "full"), "8", "2")
     assert "rank 0: trained to step 8" in said
+    for rank in (0, 1):
+        # both buffers made at the first optimizer step, and the saves at steps 4 and 8 (a
+        # step's file, and last.ckpt a link to it) used them: they were never made again
+        lines = (tmp_path / "full" / f"buffers-{rank}.txt").read_text().split("\n")[:-1]
+        assert lines == [f"{step} 2 2" for step in range(1, 9)], lines
+        # the shards given to the save where the model is (not copied to the CPU first)
+        assert (tmp_path / "full" / f"devices-{rank}.txt").read_text() == "cpu\ncpu\n"
     step4 = ckpts / "epoch=0-step=4.ckpt"
     manifest = Catalog(LocalStorage(str(step4))).manifest(1)
     assert sorted(manifest["files"]) == ["rank-00000.data", "rank-00001.data"]  # a shard file per rank
@@ -157,3 +184,19 @@ def test_last_ckpt_saved_again_keeps_each_ranks_checkpointer(tmp_path):
     start = torch.load(tmp_path / "resumed" / "start.pt")
     assert start["step"] == 16 and start["adam_steps"] == [16.0]
     assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-16.pt"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_staging.sh runs it)")
+def test_on_a_gpu_the_shards_reach_the_save_on_the_device_and_come_back_exact(tmp_path):
+    """On an accelerator the strategy hands the save the shards where they are, for its own
+    pinned staging to copy (Lightning's ``ModelParallelStrategy`` copied each into new
+    pageable host memory first, inside the step); the buffers are made at the first
+    optimizer step and pinned; resumed, training starts from step 4's weights exactly."""
+    gpu = {"ACCELERATOR": "cuda"}
+    _run(tmp_path, str(tmp_path / "ckpts"), str(tmp_path / "full"), "8", "1", env=gpu)
+    assert (tmp_path / "full" / "devices-0.txt").read_text() == "cuda\ncuda\n"
+    lines = (tmp_path / "full" / "buffers-0.txt").read_text().split("\n")[:-1]
+    assert lines == [f"{step} 2 2" for step in range(1, 9)], lines
+    _run(tmp_path, str(tmp_path / "again"), str(tmp_path / "resumed"), "8", "1",
+         str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt"), env=gpu)
+    assert _same(torch.load(tmp_path / "resumed" / "weights-8.pt"), torch.load(tmp_path / "full" / "weights-8.pt"))
