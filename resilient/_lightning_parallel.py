@@ -28,6 +28,8 @@ from ._plan import plan_layout
 from ._snapshot import Staging
 from ._tree import flatten_state
 from .lightning import (
+    ROOM,
+    FirstSteps,
     ResilientCheckpointIO,
     _key,
     _lightning_packages,
@@ -38,14 +40,11 @@ from .lightning import (
     finish,
     finish_all,
     next_number,
+    saves_at_a_checkpoint,
 )
 
 __all__ = ["ResilientModelParallelStrategy"]
 
-
-#: room in each staging buffer for what ``_prepare_buffers`` does not size it for:
-#: Lightning's own tensors (``ModelCheckpoint``'s scores, a grad scaler's), 64 bytes each
-_ROOM = 1 << 20
 
 #: the shards as they are: sharded (``save_distributed_checkpoint``), on their device
 _IN_PLACE = StateDictOptions(full_state_dict=False, cpu_offload=False)
@@ -84,7 +83,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         self._files = ResilientCheckpointIO(remote=remote, storage_options=storage_options, compress=compress)
         self._saving: dict[str, Checkpointer] = {}  # path -> this rank's checkpointer with a save in flight, or kept
         self._saves: Counter[str] = Counter()  # path -> saves of it in this process
-        self._unstepped: set[int] | None = None  # the optimizers not stepped yet (None: before the first step)
+        self._first_steps = FirstSteps()
 
     # -- collecting the state -------------------------------------------------------------------
     # Lightning's ModelParallelStrategy collects the shards with ``cpu_offload=True``: on an
@@ -105,19 +104,18 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         """The step; once every optimizer has made its first, the buffers of the first
         checkpoint are made (``_prepare_buffers``): the optimizers' state exists then."""
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._unstepped is None:
-            self._unstepped = {id(o) for o in self.optimizers}
-        if self._unstepped:
-            self._unstepped.discard(id(getattr(optimizer, "_optimizer", optimizer)))
-            if not self._unstepped:
-                self._prepare_buffers()
+        if self._first_steps.all_made(optimizer, self.optimizers):
+            self._prepare_buffers()
         return result
 
     def _prepare_buffers(self) -> None:
         """Size the staging buffers for the state the saves will be given (the shards of the
-        model and the optimizers; Lightning's own tensors, a few scores, go in ``_ROOM``) and
+        model and the optimizers; Lightning's own tensors, a few scores, go in ``ROOM``) and
         make them now, touched in the background (``_SharedBuffers.prepare``). Collective:
         every rank makes its optimizer steps in the same order."""
+        count = saves_at_a_checkpoint(self.lightning_module.trainer)  # the same on every rank
+        if not count:
+            return
         state = {"state_dict": self.lightning_module_state_dict(),
                  "optimizer_states": [self.optimizer_state(o) for o in self.optimizers]}
         try:
@@ -131,7 +129,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
             plan = plan_layout(flat.tensors, flat.per_rank, self.global_rank, self.world_size, _gathered)
         except ResilientError:  # refused alike on every rank (planned from what all gathered): the save says why
             return
-        self._files._buffers.prepare(plan.nbytes + _ROOM, Staging.on_device(flat.tensors))
+        self._files._buffers.prepare(plan.nbytes + ROOM, Staging.on_device(flat.tensors), count)
 
     # -- saving ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -209,7 +207,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
     def teardown(self) -> None:
         """Commit (and drain to ``remote``) every save still in flight on this rank; free
         its buffers. A save that failed is raised once all that is done."""
-        self._unstepped = None  # a later fit prepares its buffers again
+        self._first_steps = FirstSteps()  # a later fit prepares its buffers again
         failed = finish_all(self._saving)
         try:
             self._files.teardown()  # rank 0's deletions; every rank's closes and buffers

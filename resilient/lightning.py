@@ -45,12 +45,14 @@ from ._background import yield_to_training
 from ._catalog import Catalog
 from ._checkpointer import Checkpointer
 from ._coord import Coordinator, SoloCoordinator
-from ._errors import CheckpointCorruptError
+from ._errors import CheckpointCorruptError, ResilientError
+from ._plan import plan_layout
 from ._snapshot import Staging
 from ._storage import LocalStorage, Storage, is_remote, open_storage
 from ._uploader import Uploader
 from ._writer import SaveHandle
 from ._kinds import is_plain_leaf
+from ._tree import flatten_state
 
 __all__ = ["ResilientCheckpointIO"]
 
@@ -116,6 +118,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self._remote_names: set[str] | None = None  # what the object store held at the first save
         self._buffers = _SharedBuffers()
         self._housekeeper = _Housekeeper()
+        self._first_steps = FirstSteps()
         _LIVE.add(self)
 
     # -- CheckpointIO --------------------------------------------------------------------------
@@ -225,8 +228,30 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         failed = finish_all(self._open)
         self._housekeeper.finish()
         self._buffers.close()
+        self._first_steps = FirstSteps()  # a later fit prepares its buffers again
         if failed is not None:
             raise failed
+
+    def _stepped(self, strategy: Any, optimizer: Any) -> None:
+        """After each optimizer step of the strategy the plugin is given to: at the first
+        step of every optimizer, rank 0 (which alone saves through the plugin) makes the
+        buffers of the first checkpoint (``_SharedBuffers.prepare``), sized for the model's
+        and the optimizers' state as they are then. Only where that state is rank 0's own
+        (one device, DDP): collecting it elsewhere (a sharded model's, a ZeRO optimizer's)
+        takes every rank."""
+        if not self._first_steps.all_made(optimizer, strategy.optimizers) or not strategy.is_global_zero:
+            return
+        count = saves_at_a_checkpoint(strategy.lightning_module.trainer)
+        if not count or not _holds_its_state(strategy):
+            return
+        state = {"state_dict": strategy.lightning_module.state_dict(),
+                 "optimizer_states": [o.state_dict() for o in strategy.optimizers]}
+        try:
+            flat = flatten_state(state)
+            plan = plan_layout(flat.tensors, flat.per_rank, 0, 1, lambda description: [description])
+        except (ResilientError, TypeError, ValueError):  # the save refuses it, naming the key
+            return
+        self._buffers.prepare(plan.nbytes + ROOM, Staging.on_device(flat.tensors), count)
 
     # -- in-flight saves -----------------------------------------------------------------------
     def _finish(self, path: str) -> None:
@@ -305,6 +330,52 @@ def done_with(saving: dict[str, Checkpointer], saves: Counter[str]) -> list[str]
     return done
 
 
+#: room in each staging buffer made before the first save for what it is not sized for:
+#: Lightning's own tensors (``ModelCheckpoint``'s scores, a grad scaler's), 64 bytes each
+ROOM = 1 << 20
+
+
+class FirstSteps:
+    """Says once, after the step that completes it, that every optimizer has made its first
+    step: the state a save will be given exists from then on (Adam's moments are made by
+    the first step), so the buffers of the first checkpoint can be sized for it."""
+
+    def __init__(self) -> None:
+        self._unstepped: set[int] | None = None  # None: no step yet
+
+    def all_made(self, optimizer: Any, optimizers: list[Any]) -> bool:
+        if self._unstepped is None:
+            self._unstepped = {id(o) for o in optimizers}
+        if not self._unstepped:
+            return False
+        self._unstepped.discard(id(getattr(optimizer, "_optimizer", optimizer)))  # a LightningOptimizer's own
+        return not self._unstepped
+
+
+def saves_at_a_checkpoint(trainer: Any) -> int:
+    """How many saves the Trainer's ``ModelCheckpoint`` callbacks make at one step: each a
+    file of its own (unless ``save_top_k=0``) and ``last.ckpt`` when that is a copy
+    (``save_last=True``; a link is not a save, unless there is no file to link to)."""
+    count = 0
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        top = getattr(callback, "save_top_k", 1) != 0
+        last = getattr(callback, "save_last", None)
+        count += top + (last is True or (bool(last) and not top))
+    return count
+
+
+def _holds_its_state(strategy: Any) -> bool:
+    """Whether rank 0 holds the whole state the plugin saves, so that collecting it takes no
+    other rank: one device, or DDP (not a subclass that saves otherwise, DeepSpeed), with no
+    optimizer that shards its state (ZeRO's ``consolidate_state_dict`` is collective)."""
+    for package in _lightning_packages():
+        strategies = importlib.import_module(f"{package}.strategies")
+        if isinstance(strategy, (strategies.SingleDeviceStrategy, strategies.DDPStrategy)):
+            return _bypassed_by(strategy) is None and not any(
+                hasattr(o, "consolidate_state_dict") for o in strategy.optimizers)
+    return False
+
+
 #: every plugin in this process, for ``load_from_checkpoint`` (``_teach_load_from_checkpoint``)
 _LIVE: "weakref.WeakSet[ResilientCheckpointIO]" = weakref.WeakSet()
 
@@ -375,32 +446,49 @@ def _sharded_instead(strategies: Any) -> str:
             f"({strategies.__name__.rsplit('.', 1)[0]}'s Trainer refuses it)")
 
 
-def _teach_strategies_to_warn() -> None:
-    """Warn, when a Trainer is made, that a strategy will not use the plugin.
+def _teach_strategies() -> None:
+    """Warn, when a Trainer is made, that a strategy will not use the plugin; tell the
+    plugin of each optimizer step (``ResilientCheckpointIO._stepped``).
 
-    Why: the Trainer hands its ``CheckpointIO`` to any strategy without a word, and the
+    Why warn: the Trainer hands its ``CheckpointIO`` to any strategy without a word, and the
     sharded ones never call it: a user who added ``plugins=[ResilientCheckpointIO()]`` to a
     ``strategy="fsdp"`` run would get DCP's checkpoints and think they were resilient's
     (committed crash-consistently, checksummed, drained to ``remote=``). The Trainer gives
     the plugin to the strategy through ``Strategy.checkpoint_io``'s setter (a plugin passed
-    to the strategy's constructor too), so that setter is wrapped, once per package."""
+    to the strategy's constructor too), so that setter is wrapped, once per package.
+
+    Why the steps: Lightning calls nothing of a ``CheckpointIO`` before the first save, and
+    the first checkpoint's saves made their buffers in their stalls. ``Strategy``'s own
+    ``optimizer_step``, which every strategy's runs, is wrapped, once per package (an
+    attribute of each strategy would not survive the pickling of ``ddp_spawn``)."""
     for package in _lightning_packages():
         base = importlib.import_module(f"{package}.strategies").Strategy
         attached = base.__dict__.get("checkpoint_io")
-        if not isinstance(attached, property) or getattr(attached.fset, "warns_when_bypassed", False):
-            continue
+        if isinstance(attached, property) and not getattr(attached.fset, "warns_when_bypassed", False):
+            def set_checkpoint_io(strategy: Any, io: Any, _set: Callable[[Any, Any], None] = attached.fset) -> None:
+                _set(strategy, io)
+                why = _bypassed_by(strategy) if isinstance(io, ResilientCheckpointIO) else None
+                if why is not None:
+                    log.warning("resilient: ResilientCheckpointIO will write nothing: %s", why)
 
-        def set_checkpoint_io(strategy: Any, io: Any, _set: Callable[[Any, Any], None] = attached.fset) -> None:
-            _set(strategy, io)
-            why = _bypassed_by(strategy) if isinstance(io, ResilientCheckpointIO) else None
-            if why is not None:
-                log.warning("resilient: ResilientCheckpointIO will write nothing: %s", why)
+            set_checkpoint_io.warns_when_bypassed = True  # type: ignore[attr-defined]
+            base.checkpoint_io = attached.setter(set_checkpoint_io)
+        stepping = base.__dict__["optimizer_step"]
+        if not getattr(stepping, "tells_the_plugin", False):
+            def optimizer_step(strategy: Any, optimizer: Any, closure: Any, model: Any = None, *,
+                               _step: Callable[..., Any] = stepping, **kwargs: Any) -> Any:
+                result = _step(strategy, optimizer, closure, model, **kwargs)
+                io = getattr(strategy, "_checkpoint_io", None)  # not the property: it makes a default one
+                if isinstance(io, ResilientCheckpointIO):
+                    io._stepped(strategy, optimizer)
+                return result
 
-        set_checkpoint_io.warns_when_bypassed = True  # type: ignore[attr-defined]
-        base.checkpoint_io = attached.setter(set_checkpoint_io)
+            optimizer_step.tells_the_plugin = True  # type: ignore[attr-defined]
+            optimizer_step.__doc__ = stepping.__doc__
+            base.optimizer_step = optimizer_step
 
 
-_teach_strategies_to_warn()
+_teach_strategies()
 
 
 def _local(path: Any, action: str) -> str:
@@ -458,18 +546,20 @@ class _SharedBuffers:
         oldest.handle.settled()  # type: ignore[union-attr]
         return oldest
 
-    def prepare(self, nbytes: int, pin: bool) -> None:
-        """Make every buffer now, ``nbytes`` each, and touch its pages in a background thread
-        (``Staging.prewarm``), unless a save has made one already.
+    def prepare(self, nbytes: int, pin: bool, count: int) -> None:
+        """Make ``count`` buffers now (the saves Lightning makes at one step, two at most),
+        ``nbytes`` each, and touch their pages in a background thread (``Staging.prewarm``),
+        unless a save has made one already.
 
         Why: Lightning calls nothing of the plugin's or a strategy's between the start of
         training and the first checkpoint, so the first checkpoint's two saves made their
         buffers in their stalls, at this VM's 1.45 s/GB of first touch: 1.3-1.6 s each for a
         rank's 0.5 GB on two ranks, against 0.11 s for a later save. A strategy sees every
-        optimizer step, and sizes the buffers at the first (``_prepare_buffers``)."""
+        optimizer step, and sizes the buffers at the first (``_prepare_buffers``); the plugin
+        is told of them too (``_teach_strategies``)."""
         if self._slots:
             return
-        self._slots = [_Slot(Staging()) for _ in range(self._most)]
+        self._slots = [_Slot(Staging()) for _ in range(min(count, self._most))]
         for slot in self._slots:
             slot.staging.prewarm(nbytes, pin)
 

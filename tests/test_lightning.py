@@ -148,6 +148,57 @@ def test_the_plugins_saves_share_two_buffers_and_each_keeps_its_own_bytes(tmp_pa
     io.teardown()
 
 
+def test_the_plugins_buffers_are_made_at_the_first_optimizer_step(tmp_path, monkeypatch):
+    """Lightning calls nothing of the plugin before its first save, which made its buffers
+    in its stall. Now they are made once every optimizer has made its first step (its
+    state exists then), as many as the checkpoint callbacks save at one step: two with
+    ``save_last=True`` (a top-k file and last.ckpt), one with a link; no save makes one."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from resilient import _hostmem
+    from resilient.lightning import ResilientCheckpointIO
+
+    class Adam(_tiny(pl.LightningModule)):
+        def configure_optimizers(self):  # two: the buffers wait for the second's first step
+            return [torch.optim.AdamW([self.net.weight], lr=0.1), torch.optim.AdamW([self.net.bias], lr=0.1)]
+
+        def training_step(self, batch, index):  # manual: each optimizer stepped in turn
+            for optimizer in self.optimizers():
+                optimizer.zero_grad()
+                self.manual_backward(super().training_step(batch, index))
+                optimizer.step()
+                steps.append(len(made))  # buffers made by the time this optimizer's step returned
+
+        automatic_optimization = False
+
+    made, steps = [], []
+    real = _hostmem.HostBuffer.__init__
+
+    def counted(self, nbytes, pin):
+        made.append(nbytes)
+        real(self, nbytes, pin)
+
+    monkeypatch.setattr(_hostmem.HostBuffer, "__init__", counted)
+    for last, buffers in ((True, 2), ("link", 1)):
+        made.clear(), steps.clear()
+        trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, plugins=[ResilientCheckpointIO()],
+                             callbacks=[ModelCheckpoint(dirpath=tmp_path / str(last), every_n_train_steps=2,
+                                                        save_top_k=1, save_last=last)])
+        module = Adam()
+        trainer.fit(module, _tiny_loader())
+        # made at the second optimizer's first step, large enough for the state (weights
+        # and two moments); the first checkpoint's saves (at the end of that batch: a step
+        # is an optimizer's) made none. A later save may make the second buffer when it
+        # finds the first still being written, as before (the link's case); with two, none
+        # is made (8 saves)
+        assert len(steps) == 8 and steps[:3] == [0, buffers, buffers], (last, steps)
+        assert made[0] >= 5 * 4 * 3 and made[:buffers] == [made[0]] * buffers, made
+        assert len(made) == 2 if buffers == 2 else len(made) <= 2, made
+        loaded = ResilientCheckpointIO().load_checkpoint(tmp_path / str(last) / "last.ckpt")
+        assert torch.equal(loaded["state_dict"]["net.weight"], module.net.weight.detach())
+
+
 def test_removed_checkpoints_are_deleted_off_the_step_and_leftovers_swept(tmp_path):
     """Lightning removes checkpoints (``save_top_k``) inside the training step: the path is
     gone when ``remove_checkpoint`` returns and its files are deleted by a thread; what a

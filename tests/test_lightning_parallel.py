@@ -115,6 +115,15 @@ def _run(tmp_path, *args: str, env: dict | None = None) -> str:
     return out.stdout + out.stderr
 
 
+def _made_at_the_first_step(out, rank: int) -> None:
+    """The buffer of a checkpoint's one save (a step's file; last.ckpt a link to it) was made
+    at the first optimizer step, and every save used it: it was never made again (a second
+    one is made only for a save that finds the first still being written)."""
+    lines = [line.split() for line in (out / f"buffers-{rank}.txt").read_text().splitlines()]
+    assert [step for step, _, _ in lines] == [str(step) for step in range(1, 9)], lines
+    assert lines[0] == ["1", "1", "1"] and all(slots in "12" and tagged == "1" for _, slots, tagged in lines), lines
+
+
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -132,10 +141,7 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
     said = _run(tmp_path, str(ckpts), str(tmp_path / "full"), "8", "2")
     assert "rank 0: trained to step 8" in said
     for rank in (0, 1):
-        # both buffers made at the first optimizer step, and the saves at steps 4 and 8 (a
-        # step's file, and last.ckpt a link to it) used them: they were never made again
-        lines = (tmp_path / "full" / f"buffers-{rank}.txt").read_text().split("\n")[:-1]
-        assert lines == [f"{step} 2 2" for step in range(1, 9)], lines
+        _made_at_the_first_step(tmp_path / "full", rank)
         # the shards given to the save where the model is (not copied to the CPU first)
         assert (tmp_path / "full" / f"devices-{rank}.txt").read_text() == "cpu\ncpu\n"
     step4 = ckpts / "epoch=0-step=4.ckpt"
@@ -195,8 +201,7 @@ def test_on_a_gpu_the_shards_reach_the_save_on_the_device_and_come_back_exact(tm
     gpu = {"ACCELERATOR": "cuda"}
     _run(tmp_path, str(tmp_path / "ckpts"), str(tmp_path / "full"), "8", "1", env=gpu)
     assert (tmp_path / "full" / "devices-0.txt").read_text() == "cuda\ncuda\n"
-    lines = (tmp_path / "full" / "buffers-0.txt").read_text().split("\n")[:-1]
-    assert lines == [f"{step} 2 2" for step in range(1, 9)], lines
+    _made_at_the_first_step(tmp_path / "full", 0)
     _run(tmp_path, str(tmp_path / "again"), str(tmp_path / "resumed"), "8", "1",
          str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt"), env=gpu)
     assert _same(torch.load(tmp_path / "resumed" / "weights-8.pt"), torch.load(tmp_path / "full" / "weights-8.pt"))
