@@ -4,9 +4,9 @@ save holds training up, with a real ``Trainer`` and ``ModelCheckpoint``.
     python -m benchmarks.bench_lightning --gb 1 --saves 4 --rounds 2 --out benchmarks/results-lightning.json
 
 A stack of 4096-wide linear layers sized so that the model and its Adam moments weigh
-``--gb``; ``ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)``, so each
-checkpoint is two saves at one step (the step's file and ``last.ckpt``), as a user who keeps
-the newest and a "last" copy gets. The methods, each in the same run, in turn by round:
+``--gb``; ``ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)`` (``--every``
+sets the steps between checkpoints), so each checkpoint is two saves at one step (the step's
+file and ``last.ckpt``), as a user who keeps the newest and a "last" copy gets. The methods, each in the same run, in turn by round:
 
 * ``TorchCheckpointIO``: Lightning's default plugin, ``torch.save`` inside the step (not
   fsync'd);
@@ -101,7 +101,7 @@ def _saver(method: str) -> tuple[dict[str, Any], Any]:
 _REMOTE = "RESILIENT_BENCH_REMOTE"
 
 
-def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
+def one_run(method: str, layers: int, saves: int, root: str, every: int) -> dict[str, Any]:
     """A plugin's run here; a strategy's in a process of its own, which Lightning starts its
     second rank from (rank 0 prints the result). Each run drains to a prefix of its own
     (``--remote``): a later round must not find the names an earlier one left there."""
@@ -109,9 +109,9 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
         spec = json.loads(os.environ[_REMOTE])
         os.environ[_REMOTE] = json.dumps({**spec, "url": f"{spec['bucket']}/{uuid.uuid4().hex[:8]}"})
     if method in PLUGINS:
-        return trained(method, layers, saves, root)
+        return trained(method, layers, saves, root, every)
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_lightning", "--child", method,
-                          "--child-layers", str(layers), "--saves", str(saves), "--root", root],
+                          "--child-layers", str(layers), "--saves", str(saves), "--every", str(every), "--root", root],
                          capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
     said = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not said:
@@ -119,7 +119,7 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     return json.loads(said[-1].removeprefix("RESULT "))
 
 
-def trained(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
+def trained(method: str, layers: int, saves: int, root: str, every: int = 2) -> dict[str, Any]:
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -143,12 +143,12 @@ def trained(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
             return torch.optim.Adam(self.parameters(), lr=1e-4)
 
     torch.manual_seed(0)
-    x = torch.randn(8 * 2 * saves * 2, WIDTH)
+    x = torch.randn(8 * every * saves * 2, WIDTH)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
     arguments, saver = _saver(method)
-    trainer = pl.Trainer(max_steps=2 * saves, accelerator="cpu", logger=False, enable_progress_bar=False,
+    trainer = pl.Trainer(max_steps=every * saves, accelerator="cpu", logger=False, enable_progress_bar=False,
                          enable_model_summary=False, **arguments,
-                         callbacks=[ModelCheckpoint(dirpath=f"{root}/{method}", every_n_train_steps=2, save_top_k=1,
+                         callbacks=[ModelCheckpoint(dirpath=f"{root}/{method}", every_n_train_steps=every, save_top_k=1,
                                                     save_last=True)])
     module = Stack()
     started = time.perf_counter()
@@ -166,7 +166,7 @@ def table(results: dict[str, Any]) -> str:
     removals = any("remove_s" in r for r in results["runs"])  # runs before December 7's lack them
     rows = ["| method | ranks | state (all ranks) | first checkpoint's two saves | later saves (median, range; "
             f"x memcpy of a rank's share) |{' removals of the previous file (median, max) |' if removals else ''} "
-            f"`fit` of {2 * results['saves']} steps, all written |",
+            f"`fit` of {results.get('every', 2) * results['saves']} steps, all written |",
             "|---|---|---|---|---|---|" + ("---|" if removals else "")]
     for method in METHODS:
         runs = [r for r in results["runs"] if r["method"] == method]
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=1.0, help="model and Adam moments together")
     p.add_argument("--saves", type=int, default=4, help="checkpoints per run (each is two saves)")
+    p.add_argument("--every", type=int, default=2, help="training steps from one checkpoint to the next")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--methods", default=",".join(METHODS), help="which plugins and strategies, comma-separated")
     p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     if rendered(a.render, table):
         return
     if a.child:
-        result = trained(a.child, a.child_layers, a.saves, a.root)
+        result = trained(a.child, a.child_layers, a.saves, a.root, a.every)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
         return
@@ -238,10 +239,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"--methods: unknown {', '.join(sorted(unknown))} (known: {', '.join(METHODS)})")
     with _object_store(a.remote):
-        runs = in_rounds(methods, a.rounds, lambda method, root: one_run(method, layers, a.saves, root),
+        runs = in_rounds(methods, a.rounds, lambda method, root: one_run(method, layers, a.saves, root, a.every),
                          lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, fit {run['fit_s']:.1f} s",
                          "bench-lightning-", a.root)
-    results = {"gb": a.gb, "layers": layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
+    results = {"gb": a.gb, "layers": layers, "saves": a.saves, "every": a.every, "rounds": a.rounds, "runs": runs,
                "remote": a.remote, "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
     reported(results, a.out, table)
 
