@@ -136,8 +136,7 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         if storage_options is not None:
             raise TypeError("ResilientModelParallelStrategy.save_checkpoint: storage_options are given to the "
                             "strategy (remote=, storage_options=), not to each save")
-        path, _ = self._agreed(filepath, "save", replace=True)
-        self._finish_done()
+        path = self._agreed_save(filepath)
         replaced: list[str] = []
         # the shards as Lightning collected them (its hooks may have changed them); the rest as plain data
         state = {"state_dict": checkpoint.pop("state_dict"),
@@ -223,26 +222,51 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         directory it names through any link, or the link itself; whether it is a link.
         ``replace``: rank 0 first removes a file or a link there (a save replaces it)."""
         path = _local(filepath, action)  # a URL refused on every rank alike
-        view: tuple[str, bool] | None = None
-        if self.is_global_zero:
-            link = os.path.islink(path)
-            if replace and (link or os.path.isfile(path)):
-                os.remove(path)  # a torch.save file, or a link: replaced
-                link = False
-            view = (path if link else _key(path), link)
-        path, link = self.broadcast(view)
+        path, link = self.broadcast(self._view(path, replace) if self.is_global_zero else None)
         return path, link
+
+    @staticmethod
+    def _view(path: str, replace: bool) -> tuple[str, bool]:
+        """Rank 0's part of ``_agreed``."""
+        link = os.path.islink(path)
+        if replace and (link or os.path.isfile(path)):
+            os.remove(path)  # a torch.save file, or a link: replaced
+            link = False
+        return (path if link else _key(path)), link
+
+    def _agreed_save(self, filepath: Any) -> str:
+        """``_agreed`` for a save, and ``_finish_done``, in one gather: the path to save to.
+
+        Why one: each was a collective inside the step. Why a failure rides in it: a save
+        that failed in the background is raised at the next save (``done_with``), and one
+        rank raising before a collective the others enter left them waiting there. Every
+        rank raises now: the failing rank its error, the others an error naming that rank."""
+        path = _local(filepath, "save")
+        view = self._view(path, replace=True) if self.is_global_zero else None
+        failed: Exception | None = None
+        try:
+            mine = done_with(self._saving, self._saves)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank has heard of it
+            mine, failed = [], exc
+        everyone = _gathered((view, mine, None if failed is None else f"{type(failed).__name__}: {failed}"))
+        if failed is not None:
+            raise failed
+        for rank, (_, _, why) in enumerate(everyone):
+            if why is not None:
+                raise ResilientError(f"a save that ResilientModelParallelStrategy wrote in the background failed on "
+                                     f"rank {rank}: {why}")
+        self._finish_done(mine, [done for _, done, _ in everyone])
+        return everyone[0][0][0]
 
     def _finish(self, path: str) -> None:
         finish(self._saving, path)
 
-    def _finish_done(self) -> None:
-        """Close (off the step) the checkpointers every rank is done with (``done_with``).
-        Agreed, so that every rank holds a checkpointer for the same paths, and goes on with
+    def _finish_done(self, mine: list[str], everyone: list[list[str]]) -> None:
+        """Close (off the step) the checkpointers every rank is done with (``done_with``;
+        ``mine``: this rank's list, ``everyone``: every rank's). Agreed, so that every rank holds a checkpointer for the same paths, and goes on with
         it at the next save there or makes a new one (a collective) alike. Each rank's own
         choice closed one rank's while the other's upload was still running: that rank then
         waited in the step for its upload and for rank 0's commit on the store (0.9 s, 0.2 GB
         on 2 ranks, moto's server)."""
-        mine = done_with(self._saving, self._saves)
-        for path in set(mine).intersection(*_gathered(mine)):
+        for path in set(mine).intersection(*everyone):
             self._files._housekeeper.close(self._saving.pop(path))

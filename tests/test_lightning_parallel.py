@@ -86,6 +86,16 @@ class Buffers(Callback):
         with open(os.path.join(out, f"devices-{trainer.global_rank}.txt"), "a") as f:
             f.write(" ".join(sorted({v.device.type for v in checkpoint["state_dict"].values()})) + "\\n")
 
+if os.environ.get("FAIL_ALONE") and os.environ.get("LOCAL_RANK") == "1":  # a failure rank 1 alone meets
+    import resilient._lightning_parallel as strategy_module
+    looked = []
+    def done_with(saving, saves, _real=strategy_module.done_with):
+        looked.append(1)
+        if len(looked) == 2:  # at the second checkpoint's save
+            raise OSError("rank 1 alone")
+        return _real(saving, saves)
+    strategy_module.done_with = done_with
+
 ckpts, out, steps, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 resume = sys.argv[5] if len(sys.argv) > 5 else None
 os.makedirs(out, exist_ok=True)
@@ -94,7 +104,8 @@ data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, ke
 if os.environ.get("SAVE_LAST") == "copy":  # last.ckpt saved again at every checkpoint, the step's own file removed
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=1, save_last=True), Kept()]
 else:
-    saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1, save_last="link")]
+    saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=int(os.environ.get("EVERY", 4)), save_top_k=-1,
+                              save_last="link")]
 trainer = pl.Trainer(max_steps=steps, accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=ranks, logger=False, enable_progress_bar=False,
                      enable_model_summary=False,
                      strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1,
@@ -106,12 +117,12 @@ print(f"rank {trainer.global_rank}: trained to step {trainer.global_step}", flus
 '''
 
 
-def _run(tmp_path, *args: str, env: dict | None = None) -> str:
+def _run(tmp_path, *args: str, env: dict | None = None, fails: bool = False) -> str:
     script = tmp_path / "sharded.py"
     script.write_text(_SCRIPT)
     out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=240,
                          cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert (out.returncode != 0) == fails, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout + out.stderr
 
 
@@ -158,6 +169,20 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
     start = torch.load(tmp_path / "one" / "start.pt")
     assert start["step"] == 8 and start["adam_steps"] == [8.0]
     assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-8.pt"))
+
+
+def test_a_failure_on_one_rank_stops_every_rank_at_the_next_save_naming_it(tmp_path):
+    """At the next save, a save that failed in the background is raised (``done_with``).
+    Where one rank alone learns of a failure (here one made on rank 1 as it looks at its
+    finished saves, as a disk error closing its checkpointer would), that rank raises it
+    and every other rank raises an error naming that rank and the failure. Before, rank 1
+    raised before a collective rank 0 had entered, and rank 0 died of gloo's "Connection
+    closed by peer"."""
+    said = _run(tmp_path, str(tmp_path / "ckpts"), str(tmp_path / "out"), "6", "2",
+                env={"EVERY": "2", "FAIL_ALONE": "1"}, fails=True)
+    assert "trained to step" not in said and "[rank1]: OSError: rank 1 alone" in said, said[-3000:]
+    assert ("[rank0]: resilient._errors.ResilientError: a save that ResilientModelParallelStrategy wrote in the "
+            "background failed on rank 1: OSError: rank 1 alone") in said, said[-3000:]
 
 
 def test_last_ckpt_saved_again_keeps_each_ranks_checkpointer(tmp_path):
