@@ -4,9 +4,10 @@ save holds training up, with a real ``Trainer`` and ``ModelCheckpoint``.
     python -m benchmarks.bench_lightning --gb 1 --saves 4 --rounds 2 --out benchmarks/results-lightning.json
 
 A stack of 4096-wide linear layers sized so that the model and its Adam moments weigh
-``--gb``; ``ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)`` (``--every``
-sets the steps between checkpoints), so each checkpoint is two saves at one step (the step's
-file and ``last.ckpt``), as a user who keeps the newest and a "last" copy gets. The methods, each in the same run, in turn by round:
+``--gb``; ``ModelCheckpoint(every_n_train_steps=2, save_top_k=1, save_last=True)``
+(``--every`` sets the steps between checkpoints), so each checkpoint is two saves at one
+step (the step's file and ``last.ckpt``), as a user who keeps the newest and a "last" copy
+gets. The methods, each in the same run, in turn by round:
 
 * ``TorchCheckpointIO``: Lightning's default plugin, ``torch.save`` inside the step (not
   fsync'd);

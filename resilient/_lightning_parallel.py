@@ -263,10 +263,11 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
 
     def _finish_done(self, mine: list[str], everyone: list[list[str]]) -> None:
         """Close (off the step) the checkpointers every rank is done with (``done_with``;
-        ``mine``: this rank's list, ``everyone``: every rank's). Agreed, so that every rank holds a checkpointer for the same paths, and goes on with
-        it at the next save there or makes a new one (a collective) alike. Each rank's own
-        choice closed one rank's while the other's upload was still running: that rank then
-        waited in the step for its upload and for rank 0's commit on the store (0.9 s, 0.2 GB
-        on 2 ranks, moto's server)."""
+        ``mine``: this rank's list, ``everyone``: every rank's). Agreed, so that every rank
+        holds a checkpointer for the same paths, and goes on with it at the next save there
+        or makes a new one (a collective) alike. Each rank's own choice closed one rank's
+        while the other's upload was still running: that rank then waited in the step for
+        its upload and for rank 0's commit on the store (0.9 s, 0.2 GB on 2 ranks, moto's
+        server)."""
         for path in set(mine).intersection(*everyone):
             self._files._housekeeper.close(self._saving.pop(path))

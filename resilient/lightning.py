@@ -447,45 +447,70 @@ def _sharded_instead(strategies: Any) -> str:
 
 
 def _teach_strategies() -> None:
-    """Warn, when a Trainer is made, that a strategy will not use the plugin; tell the
-    plugin of each optimizer step (``ResilientCheckpointIO._stepped``).
+    """Look at the plugin a strategy is given when a Trainer is made (``_check_when_given``);
+    tell the plugin of each optimizer step (``_tell_of_steps``). Each wraps a method of
+    ``Strategy``, once per installed package."""
+    for package in _lightning_packages():
+        base = importlib.import_module(f"{package}.strategies").Strategy
+        _check_when_given(base, importlib.import_module(f"{package}.plugins.io").AsyncCheckpointIO)
+        _tell_of_steps(base)
+
+
+def _check_when_given(base: type, async_io: type) -> None:
+    """Warn that a strategy will not use the plugin; take the plugin out of Lightning's
+    ``AsyncCheckpointIO``, saying so.
 
     Why warn: the Trainer hands its ``CheckpointIO`` to any strategy without a word, and the
     sharded ones never call it: a user who added ``plugins=[ResilientCheckpointIO()]`` to a
     ``strategy="fsdp"`` run would get DCP's checkpoints and think they were resilient's
-    (committed crash-consistently, checksummed, drained to ``remote=``). The Trainer gives
-    the plugin to the strategy through ``Strategy.checkpoint_io``'s setter (a plugin passed
-    to the strategy's constructor too), so that setter is wrapped, once per package.
+    (committed crash-consistently, checksummed, drained to ``remote=``).
 
-    Why the steps: Lightning calls nothing of a ``CheckpointIO`` before the first save, and
-    the first checkpoint's saves made their buffers in their stalls. ``Strategy``'s own
-    ``optimizer_step``, which every strategy's runs, is wrapped, once per package (an
-    attribute of each strategy would not survive the pickling of ``ddp_spawn``)."""
-    for package in _lightning_packages():
-        base = importlib.import_module(f"{package}.strategies").Strategy
-        attached = base.__dict__.get("checkpoint_io")
-        if isinstance(attached, property) and not getattr(attached.fset, "warns_when_bypassed", False):
-            def set_checkpoint_io(strategy: Any, io: Any, _set: Callable[[Any, Any], None] = attached.fset) -> None:
-                _set(strategy, io)
-                why = _bypassed_by(strategy) if isinstance(io, ResilientCheckpointIO) else None
-                if why is not None:
-                    log.warning("resilient: ResilientCheckpointIO will write nothing: %s", why)
+    Why unwrap: ``AsyncCheckpointIO(ResilientCheckpointIO())`` is what a user who wants
+    saves off the step would write, and it undid that and broke: it cloned every tensor
+    inside the step, then saved in a thread of its own while Lightning went on removing the
+    files it saved ("checkpoint root ... is not a writable directory", "cannot schedule new
+    futures after shutdown"). The plugin saves in the background already.
 
-            set_checkpoint_io.warns_when_bypassed = True  # type: ignore[attr-defined]
-            base.checkpoint_io = attached.setter(set_checkpoint_io)
-        stepping = base.__dict__["optimizer_step"]
-        if not getattr(stepping, "tells_the_plugin", False):
-            def optimizer_step(strategy: Any, optimizer: Any, closure: Any, model: Any = None, *,
-                               _step: Callable[..., Any] = stepping, **kwargs: Any) -> Any:
-                result = _step(strategy, optimizer, closure, model, **kwargs)
-                io = getattr(strategy, "_checkpoint_io", None)  # not the property: it makes a default one
-                if isinstance(io, ResilientCheckpointIO):
-                    io._stepped(strategy, optimizer)
-                return result
+    The Trainer gives the plugin to the strategy through ``Strategy.checkpoint_io``'s setter
+    (a plugin passed to the strategy's constructor too), so that setter is wrapped."""
+    attached = base.__dict__.get("checkpoint_io")
+    if not isinstance(attached, property) or getattr(attached.fset, "warns_when_bypassed", False):
+        return
 
-            optimizer_step.tells_the_plugin = True  # type: ignore[attr-defined]
-            optimizer_step.__doc__ = stepping.__doc__
-            base.optimizer_step = optimizer_step
+    def set_checkpoint_io(strategy: Any, io: Any, _set: Callable[[Any, Any], None] = attached.fset) -> None:
+        if isinstance(io, async_io) and isinstance(io.checkpoint_io, ResilientCheckpointIO):
+            log.warning("resilient: AsyncCheckpointIO(ResilientCheckpointIO()) is ResilientCheckpointIO alone: it "
+                        "saves in the background already (AsyncCheckpointIO would clone every tensor inside the step)")
+            io = io.checkpoint_io
+        _set(strategy, io)
+        why = _bypassed_by(strategy) if isinstance(io, ResilientCheckpointIO) else None
+        if why is not None:
+            log.warning("resilient: ResilientCheckpointIO will write nothing: %s", why)
+
+    set_checkpoint_io.warns_when_bypassed = True  # type: ignore[attr-defined]
+    base.checkpoint_io = attached.setter(set_checkpoint_io)  # type: ignore[attr-defined]
+
+
+def _tell_of_steps(base: type) -> None:
+    """Why: Lightning calls nothing of a ``CheckpointIO`` before the first save, and the
+    first checkpoint's saves made their buffers in their stalls. ``Strategy``'s own
+    ``optimizer_step``, which every strategy's runs, is wrapped (an attribute of each
+    strategy would not survive the pickling of ``ddp_spawn``)."""
+    stepping = base.__dict__["optimizer_step"]
+    if getattr(stepping, "tells_the_plugin", False):
+        return
+
+    def optimizer_step(strategy: Any, optimizer: Any, closure: Any, model: Any = None, *,
+                       _step: Callable[..., Any] = stepping, **kwargs: Any) -> Any:
+        result = _step(strategy, optimizer, closure, model, **kwargs)
+        io = getattr(strategy, "_checkpoint_io", None)  # not the property: it makes a default one
+        if isinstance(io, ResilientCheckpointIO):
+            io._stepped(strategy, optimizer)
+        return result
+
+    optimizer_step.tells_the_plugin = True  # type: ignore[attr-defined]
+    optimizer_step.__doc__ = stepping.__doc__
+    base.optimizer_step = optimizer_step  # type: ignore[attr-defined]
 
 
 _teach_strategies()

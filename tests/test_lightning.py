@@ -199,6 +199,30 @@ def test_the_plugins_buffers_are_made_at_the_first_optimizer_step(tmp_path, monk
         assert torch.equal(loaded["state_dict"]["net.weight"], module.net.weight.detach())
 
 
+def test_the_plugin_wrapped_in_lightnings_async_plugin_is_taken_out_of_it(tmp_path, caplog):
+    """``AsyncCheckpointIO(ResilientCheckpointIO())``, written by a user who wants saves off
+    the step, cloned every tensor inside the step and saved in a thread while Lightning
+    removed the files it was saving: the run failed. The plugin is taken out of it, with a
+    warning, and the run saves, removes and loads as with the plugin alone."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.plugins.io import AsyncCheckpointIO
+
+    from resilient.lightning import ResilientCheckpointIO
+
+    plugin = ResilientCheckpointIO()
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, plugins=[AsyncCheckpointIO(plugin)],
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1,
+                                                    save_last=True)])
+    assert trainer.strategy.checkpoint_io is plugin
+    assert "AsyncCheckpointIO(ResilientCheckpointIO()) is ResilientCheckpointIO alone" in caplog.text
+    module = _tiny(pl.LightningModule)()
+    trainer.fit(module, _tiny_loader())
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+    loaded = ResilientCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 8 and torch.equal(loaded["state_dict"]["net.weight"], module.net.weight.detach())
+
+
 def test_removed_checkpoints_are_deleted_off_the_step_and_leftovers_swept(tmp_path):
     """Lightning removes checkpoints (``save_top_k``) inside the training step: the path is
     gone when ``remove_checkpoint`` returns and its files are deleted by a thread; what a

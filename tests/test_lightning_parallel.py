@@ -106,8 +106,8 @@ if os.environ.get("SAVE_LAST") == "copy":  # last.ckpt saved again at every chec
 else:
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=int(os.environ.get("EVERY", 4)), save_top_k=-1,
                               save_last="link")]
-trainer = pl.Trainer(max_steps=steps, accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=ranks, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False,
+trainer = pl.Trainer(max_steps=steps, accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=ranks, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False,
                      strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1,
                                                              remote=os.environ.get("REMOTE")),
                      callbacks=[*saving, Record(), Buffers()])
