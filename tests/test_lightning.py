@@ -223,6 +223,38 @@ def test_the_plugin_wrapped_in_lightnings_async_plugin_is_taken_out_of_it(tmp_pa
     assert loaded["global_step"] == 8 and torch.equal(loaded["state_dict"]["net.weight"], module.net.weight.detach())
 
 
+def test_fabric_saves_and_loads_through_the_plugin(tmp_path):
+    """Lightning Fabric (``Fabric(plugins=[ResilientCheckpointIO()])``, as litgpt-style loops
+    use it): ``fabric.save`` of a module, an optimizer and plain values is written by the
+    plugin, and ``fabric.load`` puts them back into new objects exactly, returning what it
+    did not put anywhere."""
+    from lightning_fabric import Fabric
+
+    from resilient.lightning import ResilientCheckpointIO
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[ResilientCheckpointIO()])
+
+    def made():
+        torch.manual_seed(0)
+        module = torch.nn.Linear(4, 1)
+        return fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=0.1))
+
+    module, optimizer = made()
+    for _ in range(3):
+        fabric.backward(module(torch.randn(8, 4)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(tmp_path / "step-3", {"model": module, "optimizer": optimizer, "step": 3, "extra": {"lr": 0.1}})
+    assert (tmp_path / "step-3").is_dir()
+    again, again_optimizer = made()
+    state = {"model": again, "optimizer": again_optimizer, "step": 0}
+    assert fabric.load(tmp_path / "step-3", state) == {"extra": {"lr": 0.1}} and state["step"] == 3
+    assert torch.equal(again.weight, module.weight) and torch.equal(again.bias, module.bias)
+    mine, theirs = optimizer.state_dict()["state"], again_optimizer.state_dict()["state"]
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in mine[i])
+    fabric.strategy.checkpoint_io.teardown()
+
+
 def test_removed_checkpoints_are_deleted_off_the_step_and_leftovers_swept(tmp_path):
     """Lightning removes checkpoints (``save_top_k``) inside the training step: the path is
     gone when ``remove_checkpoint`` returns and its files are deleted by a thread; what a
