@@ -1,15 +1,18 @@
-"""Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) with resilient's
-checkpoints: ``strategy=ResilientModelParallelStrategy(...)`` in place of
-``ModelParallelStrategy(...)``, the same arguments.
+"""Lightning strategies whose every rank writes its part of each checkpoint, resilient's way:
+``ResilientModelParallelStrategy`` (FSDP2, tensor parallelism) in place of
+``ModelParallelStrategy``, and ``ResilientDDPStrategy`` in place of ``DDPStrategy``
+(``strategy="ddp"``), with the same arguments.
 
-Why a strategy and not the plugin: ``ModelParallelStrategy`` does not use the Trainer's
+Why strategies and not the plugin: ``ModelParallelStrategy`` does not use the Trainer's
 ``CheckpointIO``; it saves every checkpoint itself, with ``torch.distributed.checkpoint``,
-inside the training step. Here every rank snapshots its shards (the model's and the
-optimizers' DTensors as Lightning collects them) and writes them in the background; the
-rest of Lightning's checkpoint (loops, callbacks, schedulers, hyper-parameters) is stored
-once. A checkpoint saved at one world size loads at another (the shards are cut again).
-Each checkpoint path is a resilient root, as with the plugin, so ``ModelCheckpoint``'s
-top-k, ``last.ckpt`` and ``ckpt_path="last"`` work unchanged.
+inside the training step. Under DDP the Trainer calls the plugin from rank 0 alone, so rank
+0 copies the whole state in the step (the other ranks wait for it at a barrier) and writes
+all of it. Here every rank snapshots its part (its shards; of replicated state, its slice
+of the bytes) and writes it in the background; the rest of Lightning's checkpoint (loops,
+callbacks, schedulers, hyper-parameters) is stored once. A checkpoint saved at one world
+size loads at another (shards are cut again). Each checkpoint path is a resilient root, as
+with the plugin, so ``ModelCheckpoint``'s top-k, ``last.ckpt`` and ``ckpt_path="last"`` work
+unchanged.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from .lightning import (
     saves_at_a_checkpoint,
 )
 
-__all__ = ["ResilientModelParallelStrategy"]
+__all__ = ["ResilientDDPStrategy", "ResilientModelParallelStrategy"]
 
 
 #: the shards as they are: sharded (``save_distributed_checkpoint``), on their device
@@ -57,48 +60,30 @@ def _gathered(obj: Any) -> list[Any]:
     return everyone
 
 
-def _model_parallel_base() -> type:
-    """The ``ModelParallelStrategy`` of ``pytorch_lightning``, else of ``lightning``: a
-    strategy's class cannot serve both packages' Trainers (their internals differ)."""
-    return importlib.import_module(f"{_lightning_packages()[0]}.strategies").ModelParallelStrategy
+def _lightnings(name: str) -> type:
+    """Strategy ``name`` of ``pytorch_lightning``, else of ``lightning``: a strategy's class
+    cannot serve both packages' Trainers (their internals differ)."""
+    return getattr(importlib.import_module(f"{_lightning_packages()[0]}.strategies"), name)
 
 
-class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[misc]
-    """``ModelParallelStrategy`` whose checkpoints are resilient's.
+class _SavedByEveryRank:
+    """What the strategies here share: each checkpoint saved by every rank at once, its part
+    of the state; placed before Lightning's strategy class in the bases.
 
-    Args:
+    Args (besides the strategy's own):
         remote, storage_options, compress: as for ``ResilientCheckpointIO``.
-        Others: ``ModelParallelStrategy``'s (``data_parallel_size``, ``tensor_parallel_size``,
-        ...). Its ``save_distributed_checkpoint=False`` (one full file from rank 0) is refused:
-        the point here is that every rank writes its own shards.
     """
+
+    #: the Trainer's ``CheckpointIO`` is not called: ``_bypassed_by`` says so to a plugin given too
+    saves_itself = True
 
     def __init__(self, *args: Any, remote: str | None = None, storage_options: Mapping[str, Any] | None = None,
                  compress: str | None = None, **kwargs: Any) -> None:
-        if kwargs.get("save_distributed_checkpoint") is False:
-            raise ValueError("ResilientModelParallelStrategy: save_distributed_checkpoint=False gathers the whole "
-                             "state on rank 0; every rank writes its own shards here (a checkpoint loads at any "
-                             "world size, and resilient-ckpt export makes one file of it)")
         super().__init__(*args, **kwargs)
         self._files = ResilientCheckpointIO(remote=remote, storage_options=storage_options, compress=compress)
         self._saving: dict[str, Checkpointer] = {}  # path -> this rank's checkpointer with a save in flight, or kept
         self._saves: Counter[str] = Counter()  # path -> saves of it in this process
         self._first_steps = FirstSteps()
-
-    # -- collecting the state -------------------------------------------------------------------
-    # Lightning's ModelParallelStrategy collects the shards with ``cpu_offload=True``: on an
-    # accelerator, a blocking copy of every shard into new pageable host memory, inside the
-    # step, before the save is called. The save stages them itself (into its pinned buffer,
-    # and with ``staging="overlap"`` beside the step), so they are taken where they are.
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(self.model, options=_IN_PLACE)
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=_IN_PLACE)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The step; once every optimizer has made its first, the buffers of the first
@@ -134,8 +119,8 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
     # -- saving ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
-            raise TypeError("ResilientModelParallelStrategy.save_checkpoint: storage_options are given to the "
-                            "strategy (remote=, storage_options=), not to each save")
+            raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options are given to the strategy "
+                            "(remote=, storage_options=), not to each save")
         path = self._agreed_save(filepath)
         replaced: list[str] = []
         # the shards as Lightning collected them (its hooks may have changed them); the rest as plain data
@@ -175,32 +160,31 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
 
     # -- loading --------------------------------------------------------------------------------
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load the model's and optimizers' shards in place (cut again for this world size)
-        and return the rest of Lightning's checkpoint; never unpickles."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
+        """Restore the model's and optimizers' state in place (each byte read once per node
+        and shared by its ranks; shards cut again for this world size) and return the rest
+        of Lightning's checkpoint; never unpickles."""
         path, _ = self._agreed(checkpoint_path, "load")  # through a link: its target
         self._finish(path)
-        model_state = get_model_state_dict(self.model)
-        optimizer_states = [get_optimizer_state_dict(self.model, optimizer) for optimizer in self.optimizers]
+        model_state, optimizer_states = self._restore_targets()
         state: dict[str, Any] = {"state_dict": model_state, "optimizer_states": optimizer_states, "lightning": {}}
         with self._files._checkpointer(path) as ckpt:
             if ckpt.restore(state) == 0:
                 raise FileNotFoundError(f"{path} holds no committed checkpoint"
                                         + (f", nor {self._files.remote}/{os.path.basename(path)}"
                                            if self._files.remote else ""))
-        set_model_state_dict(self.model, model_state)
-        loaded = {**state["lightning"], "state_dict": model_state}
+        self._restored(state["state_dict"], state["optimizer_states"])
+        loaded = {**state["lightning"], "state_dict": state["state_dict"]}
         if state["optimizer_states"]:  # none: saved with weights_only=True, which Lightning is told as usual
-            for optimizer, optimizer_state in zip(self.optimizers, state["optimizer_states"]):
-                set_optimizer_state_dict(self.model, optimizer, optimizer_state)
             loaded["optimizer_states"] = state["optimizer_states"]
         return loaded
+
+    def _restore_targets(self) -> tuple[dict[str, Any], list[Any]]:
+        """The model's state and the optimizers' as a restore fills them (in place where they
+        are the live tensors); a list the restore makes entries in when it is empty."""
+        raise NotImplementedError
+
+    def _restored(self, model_state: dict[str, Any], optimizer_states: list[Any]) -> None:
+        """Apply what the restore filled, where filling it in place is not enough."""
 
     # -- the end --------------------------------------------------------------------------------
     def teardown(self) -> None:
@@ -253,8 +237,8 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
             raise failed
         for rank, (_, _, why) in enumerate(everyone):
             if why is not None:
-                raise ResilientError(f"a save that ResilientModelParallelStrategy wrote in the background failed on "
-                                     f"rank {rank}: {why}")
+                raise ResilientError(f"a save that {type(self).__name__} wrote in the background failed on rank "
+                                     f"{rank}: {why}")
         self._finish_done(mine, [done for _, done, _ in everyone])
         return everyone[0][0][0]
 
@@ -271,3 +255,69 @@ class ResilientModelParallelStrategy(_model_parallel_base()):  # type: ignore[mi
         server)."""
         for path in set(mine).intersection(*everyone):
             self._files._housekeeper.close(self._saving.pop(path))
+
+
+class ResilientModelParallelStrategy(_SavedByEveryRank, _lightnings("ModelParallelStrategy")):  # type: ignore[misc]
+    """``ModelParallelStrategy`` whose checkpoints are resilient's: each rank writes its
+    shards.
+
+    Args:
+        remote, storage_options, compress: as for ``ResilientCheckpointIO``.
+        Others: ``ModelParallelStrategy``'s (``data_parallel_size``, ``tensor_parallel_size``,
+        ...). Its ``save_distributed_checkpoint=False`` (one full file from rank 0) is refused:
+        the point here is that every rank writes its own shards.
+    """
+
+    def __init__(self, *args: Any, remote: str | None = None, storage_options: Mapping[str, Any] | None = None,
+                 compress: str | None = None, **kwargs: Any) -> None:
+        if kwargs.get("save_distributed_checkpoint") is False:
+            raise ValueError("ResilientModelParallelStrategy: save_distributed_checkpoint=False gathers the whole "
+                             "state on rank 0; every rank writes its own shards here (a checkpoint loads at any "
+                             "world size, and resilient-ckpt export makes one file of it)")
+        super().__init__(*args, remote=remote, storage_options=storage_options, compress=compress, **kwargs)
+
+    # -- collecting the state -------------------------------------------------------------------
+    # Lightning's ModelParallelStrategy collects the shards with ``cpu_offload=True``: on an
+    # accelerator, a blocking copy of every shard into new pageable host memory, inside the
+    # step, before the save is called. The save stages them itself (into its pinned buffer,
+    # and with ``staging="overlap"`` beside the step), so they are taken where they are.
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model, options=_IN_PLACE)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=_IN_PLACE)
+
+    def _restore_targets(self) -> tuple[dict[str, Any], list[Any]]:
+        return self.lightning_module_state_dict(), [self.optimizer_state(o) for o in self.optimizers]
+
+    def _restored(self, model_state: dict[str, Any], optimizer_states: list[Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.model, model_state)
+        for optimizer, optimizer_state in zip(self.optimizers, optimizer_states):
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state)
+
+
+class ResilientDDPStrategy(_SavedByEveryRank, _lightnings("DDPStrategy")):  # type: ignore[misc]
+    """``DDPStrategy`` (``strategy="ddp"``) whose checkpoints are resilient's: the model and
+    the optimizers, the same on every rank, are saved by all the ranks together, each
+    copying and writing a slice of their bytes, not by rank 0 alone.
+
+    Why not the plugin under DDP: the Trainer calls a ``CheckpointIO`` from rank 0 alone,
+    which copies the whole state inside the step while the other ranks wait for it at a
+    barrier, then writes all of it. Here each of N ranks copies 1/N of it, over its own
+    device's link on an accelerator, and the node's disks (or the nodes') write in parallel.
+
+    Args:
+        remote, storage_options, compress: as for ``ResilientCheckpointIO``.
+        Others: ``DDPStrategy``'s.
+    """
+
+    def _restore_targets(self) -> tuple[dict[str, Any], list[Any]]:
+        # the module's own tensors, filled in place; the optimizers' state as saved (an
+        # optimizer before its first step has none to fill), loaded by Lightning as usual
+        return self.lightning_module_state_dict(), []

@@ -419,6 +419,8 @@ def _bypassed_by(strategy: Any) -> str | None:
     subclass with a ``save_checkpoint`` of its own is taken to know what it does."""
     save = getattr(type(strategy), "save_checkpoint", None)
     name = type(strategy).__name__
+    if getattr(strategy, "saves_itself", False):
+        return f"{name} saves its checkpoints itself, resilient's way; the plugin is not needed"
     for package in _lightning_packages():
         strategies = importlib.import_module(f"{package}.strategies")
         if save is strategies.FSDPStrategy.save_checkpoint and getattr(strategy, "_state_dict_type", None) == "sharded":
@@ -692,6 +694,6 @@ def _unless_vanished(func: Any, path: str, exc_info: Any) -> None:
         raise exc_info[1]
 
 
-from ._lightning_parallel import ResilientModelParallelStrategy  # noqa: E402 - it builds on the plugin above
+from ._lightning_parallel import ResilientDDPStrategy, ResilientModelParallelStrategy  # noqa: E402 - built on the plugin
 
 __all__ += ["ResilientModelParallelStrategy"]

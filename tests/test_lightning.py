@@ -440,7 +440,8 @@ def test_sigterm_is_lightnings_to_answer_and_its_exception_checkpoint_is_committ
 def test_a_strategy_that_saves_without_the_plugin_is_named_when_the_trainer_is_made(caplog):
     """Lightning's sharded strategies write their checkpoints with DCP and never call the
     Trainer's CheckpointIO: the plugin says so, naming the strategy and what to use, when the
-    Trainer hands it over; strategies whose saves go through it pass without a word."""
+    Trainer hands it over (resilient's strategies too: they need no plugin); strategies
+    whose saves go through it pass without a word."""
     from pytorch_lightning.strategies import FSDPStrategy, ModelParallelStrategy
 
     from resilient.lightning import ResilientCheckpointIO, ResilientModelParallelStrategy
@@ -457,7 +458,9 @@ def test_a_strategy_that_saves_without_the_plugin_is_named_when_the_trainer_is_m
     assert "ModelParallelStrategy writes its checkpoints with torch.distributed.checkpoint" in message
     assert "strategy=resilient.lightning.ResilientModelParallelStrategy(...)" in message
     assert warned(ModelParallelStrategy(save_distributed_checkpoint=False)) == []  # one file, through the plugin
-    assert warned("ddp") == [] and warned(ResilientModelParallelStrategy()) == []
+    assert warned("ddp") == []
+    [message] = warned(ResilientModelParallelStrategy())  # given the plugin too: it is not needed
+    assert "ResilientModelParallelStrategy saves its checkpoints itself, resilient's way" in message
 
     # FSDPStrategy wants a GPU in a Trainer: the plugin is handed over as the Trainer does it
     def handed(strategy) -> list[str]:

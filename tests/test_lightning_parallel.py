@@ -19,7 +19,7 @@ import os, sys, time, torch
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch.distributed.fsdp import fully_shard
-from resilient.lightning import ResilientModelParallelStrategy
+from resilient.lightning import ResilientDDPStrategy, ResilientModelParallelStrategy
 
 class Sharded(pl.LightningModule):
     def __init__(self, width=16):
@@ -28,6 +28,8 @@ class Sharded(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
 
     def configure_model(self):
+        if os.environ.get("STRATEGY") == "ddp":  # replicated: the model as it is on every rank
+            return
         mesh = self.device_mesh["data_parallel"]
         fully_shard(self.net[0], mesh=mesh)
         fully_shard(self.net, mesh=mesh)
@@ -106,10 +108,13 @@ if os.environ.get("SAVE_LAST") == "copy":  # last.ckpt saved again at every chec
 else:
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=int(os.environ.get("EVERY", 4)), save_top_k=-1,
                               save_last="link")]
+if os.environ.get("STRATEGY") == "ddp":
+    strategy = ResilientDDPStrategy(remote=os.environ.get("REMOTE"))
+else:
+    strategy = ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1,
+                                              remote=os.environ.get("REMOTE"))
 trainer = pl.Trainer(max_steps=steps, accelerator=os.environ.get("ACCELERATOR", "cpu"), devices=ranks, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False,
-                     strategy=ResilientModelParallelStrategy(data_parallel_size=ranks, tensor_parallel_size=1,
-                                                             remote=os.environ.get("REMOTE")),
+                     enable_progress_bar=False, enable_model_summary=False, strategy=strategy,
                      callbacks=[*saving, Record(), Buffers()])
 torch.manual_seed(0)
 trainer.fit(Sharded(), data, ckpt_path=resume)
@@ -169,6 +174,27 @@ def test_fsdp2_under_lightning_saves_shards_and_resumes_exactly_at_another_world
     start = torch.load(tmp_path / "one" / "start.pt")
     assert start["step"] == 8 and start["adam_steps"] == [8.0]
     assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-8.pt"))
+
+
+def test_ddp_saves_each_ranks_slice_and_resumes_at_another_world_size(tmp_path):
+    """``ResilientDDPStrategy``: the model and Adam's state, the same on both ranks, are
+    saved by both, each writing its slice of the bytes (under the plugin rank 0 copies and
+    writes all of it while the other waits); the buffers are made at the first optimizer
+    step. Resumed on one rank from step 4, training starts from step 4's weights and Adam's
+    step count."""
+    ddp = {"STRATEGY": "ddp"}
+    said = _run(tmp_path, str(tmp_path / "ckpts"), str(tmp_path / "full"), "8", "2", env=ddp)
+    assert "rank 0: trained to step 8" in said
+    step4 = tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
+    [step] = [name for name in os.listdir(step4) if name.startswith("step-")]
+    sizes = [os.path.getsize(step4 / step / f"rank-0000{rank}.data") for rank in (0, 1)]
+    assert min(sizes) > 0.3 * sum(sizes), sizes  # each rank wrote about half
+    for rank in (0, 1):
+        _made_at_the_first_step(tmp_path / "full", rank)
+    _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "5", "1", str(step4), env=ddp)
+    start = torch.load(tmp_path / "one" / "start.pt")
+    assert start["step"] == 4 and start["adam_steps"] == [4.0]
+    assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-4.pt"))
 
 
 def test_a_failure_on_one_rank_stops_every_rank_at_the_next_save_naming_it(tmp_path):
