@@ -17,7 +17,10 @@ gets. The methods, each in the same run, in turn by round:
   fsync'd and committed in the background;
 * ``ModelParallelStrategy``: Lightning's FSDP2 strategy (``fully_shard`` per layer) on 2
   gloo ranks, which saves each rank's shards with DCP inside the step;
-* ``ResilientModelParallelStrategy``: the same with resilient's checkpoints.
+* ``ResilientModelParallelStrategy``: the same with resilient's checkpoints;
+* ``DDPStrategy+ResilientCheckpointIO``: DDP on 2 gloo ranks with the plugin, which
+  Lightning calls from rank 0 alone (the other rank waits at a barrier);
+* ``ResilientDDPStrategy``: DDP on 2 ranks, each saving its slice of the replicated state.
 
 The plugins run in this process; each strategy's run in a process of its own, from which
 Lightning starts its second rank. For each save: the seconds spent in the plugin's or the
@@ -52,7 +55,9 @@ import torch
 from benchmarks.common import in_rounds, memcpy_seconds, rendered, reported, stall_cell
 
 PLUGINS = ("TorchCheckpointIO", "AsyncCheckpointIO", "ResilientCheckpointIO")
-STRATEGIES = ("ModelParallelStrategy", "ResilientModelParallelStrategy")  # FSDP2 on 2 ranks
+SHARDED = ("ModelParallelStrategy", "ResilientModelParallelStrategy")  # FSDP2 on 2 ranks
+REPLICATED = ("DDPStrategy+ResilientCheckpointIO", "ResilientDDPStrategy")  # DDP on 2 ranks
+STRATEGIES = SHARDED + REPLICATED
 METHODS = PLUGINS + STRATEGIES
 WIDTH = 4096
 
@@ -81,17 +86,23 @@ def _timed(base: type, **kwargs: Any) -> Any:
 def _saver(method: str) -> tuple[dict[str, Any], Any]:
     """The Trainer's arguments for ``method`` and the object whose saves are timed."""
     from pytorch_lightning.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-    from pytorch_lightning.strategies import ModelParallelStrategy
+    from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy
 
-    from resilient.lightning import ResilientCheckpointIO, ResilientModelParallelStrategy
+    from resilient.lightning import ResilientCheckpointIO, ResilientDDPStrategy, ResilientModelParallelStrategy
 
     remote = json.loads(os.environ.get(_REMOTE, "null"))  # --remote: resilient's methods drain there
     ours = {"remote": f"{remote['url']}/{method}", "storage_options": remote["options"]} \
-        if remote and method.startswith("Resilient") else {}
+        if remote and "Resilient" in method else {}
     if method in PLUGINS:
         plugin = _timed({"TorchCheckpointIO": TorchCheckpointIO, "AsyncCheckpointIO": AsyncCheckpointIO,
                          "ResilientCheckpointIO": ResilientCheckpointIO}[method], **ours)
         return {"devices": 1, "plugins": [plugin]}, plugin
+    if method == "DDPStrategy+ResilientCheckpointIO":  # the plugin, called by rank 0 alone
+        strategy = _timed(DDPStrategy)
+        return {"devices": 2, "strategy": strategy, "plugins": [ResilientCheckpointIO(**ours)]}, strategy
+    if method == "ResilientDDPStrategy":
+        strategy = _timed(ResilientDDPStrategy, **ours)
+        return {"devices": 2, "strategy": strategy}, strategy
     base = ResilientModelParallelStrategy if method.startswith("Resilient") else ModelParallelStrategy
     strategy = _timed(base, data_parallel_size=2, tensor_parallel_size=1, **ours)
     return {"devices": 2, "strategy": strategy}, strategy
@@ -130,7 +141,7 @@ def trained(method: str, layers: int, saves: int, root: str, every: int = 2) -> 
             self.net = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
 
         def configure_model(self) -> None:
-            if method in STRATEGIES:  # FSDP2: each layer sharded over the ranks
+            if method in SHARDED:  # FSDP2: each layer sharded over the ranks
                 from torch.distributed.fsdp import fully_shard
 
                 for layer in self.net:
@@ -179,7 +190,7 @@ def table(results: dict[str, Any]) -> str:
         removed = [s for r in runs for s in r.get("remove_s", [])]
         removal = f" {statistics.median(removed):.3f} s, {max(removed):.3f} s |" if removed else " – |"
         fits = ", ".join(f"{r['fit_s']:.1f}" for r in runs)
-        name = f"{method}, `remote=`" if results.get("remote") and method.startswith("Resilient") else method
+        name = f"{method}, `remote=`" if results.get("remote") and "Resilient" in method else method
         rows.append(f"| {name} | {ranks} | {runs[0]['bytes'] / 1e9:.2f} GB | {', '.join(first)} s | {later} |"
                     f"{removal if removals else ''} {fits} s |")
     return "\n".join(rows) + f"\n\nmemcpy of the whole state's bytes: {memcpy:.3f} s"
