@@ -34,6 +34,7 @@ from .lightning import (
     ROOM,
     FirstSteps,
     ResilientCheckpointIO,
+    as_lightning_saved_it,
     _key,
     _lightning_packages,
     _local,
@@ -173,10 +174,7 @@ class _SavedByEveryRank:
                                         + (f", nor {self._files.remote}/{os.path.basename(path)}"
                                            if self._files.remote else ""))
         self._restored(state["state_dict"], state["optimizer_states"])
-        loaded = {**state["lightning"], "state_dict": state["state_dict"]}
-        if state["optimizer_states"]:  # none: saved with weights_only=True, which Lightning is told as usual
-            loaded["optimizer_states"] = state["optimizer_states"]
-        return loaded
+        return as_lightning_saved_it(state)  # without optimizer_states when saved weights_only: Lightning is told
 
     def _restore_targets(self) -> tuple[dict[str, Any], list[Any]]:
         """The model's state and the optimizers' as a restore fills them (in place where they

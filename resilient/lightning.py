@@ -121,6 +121,15 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self._first_steps = FirstSteps()
         _LIVE.add(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a process that ``ddp_spawn`` starts gets (the Trainer, with its strategy and
+        plugin, is pickled to it): the plugin's arguments. Its checkpointers, buffers and
+        threads are this process's; pickling them failed ("cannot pickle '_thread.lock'")."""
+        return {"remote": self.remote, "storage_options": self.storage_options, "compress": self.compress}
+
+    def __setstate__(self, arguments: dict[str, Any]) -> None:
+        self.__init__(**arguments)  # type: ignore[misc]
+
     # -- CheckpointIO --------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         path = _local(path, "save")
@@ -161,6 +170,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         # every chunk read is CRC-checked; numpy's arrays, bytes and sets come back as such, as
         # torch.load gives them
         state, _ = catalog.read_state(catalog.manifest(step), step, kinds=True)
+        state = as_lightning_saved_it(state)
         if isinstance(map_location, (str, torch.device, int)):  # a callable or a mapping: as saved, on the CPU
             state = _move(state, torch.device(map_location))
         return state
@@ -328,6 +338,23 @@ def done_with(saving: dict[str, Checkpointer], saves: Counter[str]) -> list[str]
               and not (ckpt._uploader and ckpt._uploader.pending())):
             done.append(path)
     return done
+
+
+#: the top-level entries of a checkpoint a strategy here saved (``_SavedByEveryRank``)
+SAVED_BY_EVERY_RANK = ("state_dict", "optimizer_states", "lightning")
+
+
+def as_lightning_saved_it(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint as Lightning's ``dump_checkpoint`` made it. Why: the strategies store the
+    model's and optimizers' state apart from the rest (``SAVED_BY_EVERY_RANK``), and the
+    plugin, ``Model.load_from_checkpoint`` and a single process's inference read their
+    checkpoints too, expecting ``hyper_parameters``, ``global_step`` and the rest at the top."""
+    if sorted(state) != sorted(SAVED_BY_EVERY_RANK) or not isinstance(state["lightning"], dict):
+        return state
+    whole = {**state["lightning"], "state_dict": state["state_dict"]}
+    if state["optimizer_states"]:  # none: saved with weights_only=True
+        whole["optimizer_states"] = state["optimizer_states"]
+    return whole
 
 
 #: room in each staging buffer made before the first save for what it is not sized for:
@@ -694,6 +721,6 @@ def _unless_vanished(func: Any, path: str, exc_info: Any) -> None:
         raise exc_info[1]
 
 
-from ._lightning_parallel import ResilientDDPStrategy, ResilientModelParallelStrategy  # noqa: E402 - built on the plugin
+from ._lightning_parallel import ResilientDDPStrategy, ResilientModelParallelStrategy  # noqa: E402 - on the plugin
 
-__all__ += ["ResilientModelParallelStrategy"]
+__all__ += ["ResilientDDPStrategy", "ResilientModelParallelStrategy"]

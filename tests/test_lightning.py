@@ -223,6 +223,27 @@ def test_the_plugin_wrapped_in_lightnings_async_plugin_is_taken_out_of_it(tmp_pa
     assert loaded["global_step"] == 8 and torch.equal(loaded["state_dict"]["net.weight"], module.net.weight.detach())
 
 
+def test_the_plugin_and_the_strategies_travel_to_the_processes_ddp_spawn_starts(tmp_path):
+    """``ddp_spawn`` pickles the Trainer, its strategy and plugin to each process it starts:
+    that failed ("cannot pickle '_thread.lock'"). What travels is the plugin's arguments; the
+    copy's checkpointers, buffers and threads are its own, and it saves and loads."""
+    import pickle
+
+    from resilient.lightning import ResilientCheckpointIO, ResilientDDPStrategy
+
+    plugin = ResilientCheckpointIO(remote=f"file://{tmp_path / 'bucket'}", compress="zstd")
+    plugin.save_checkpoint(_checkpoint(1), tmp_path / "a.ckpt")  # a save in flight: its threads stay here
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert (copy.remote, copy.compress, copy._open) == (plugin.remote, "zstd", {})
+    copy.save_checkpoint(_checkpoint(2), tmp_path / "b.ckpt")
+    copy.teardown()
+    plugin.teardown()
+    assert copy.load_checkpoint(tmp_path / "a.ckpt")["epoch"] == 1
+    assert plugin.load_checkpoint(tmp_path / "b.ckpt")["epoch"] == 2
+    strategy = pickle.loads(pickle.dumps(ResilientDDPStrategy(start_method="spawn", remote="file:///x")))
+    assert isinstance(strategy, ResilientDDPStrategy) and strategy._files.remote == "file:///x"
+
+
 def test_fabric_saves_and_loads_through_the_plugin(tmp_path):
     """Lightning Fabric (``Fabric(plugins=[ResilientCheckpointIO()])``, as litgpt-style loops
     use it): ``fabric.save`` of a module, an optimizer and plain values is written by the

@@ -191,6 +191,12 @@ def test_ddp_saves_each_ranks_slice_and_resumes_at_another_world_size(tmp_path):
     assert min(sizes) > 0.3 * sum(sizes), sizes  # each rank wrote about half
     for rank in (0, 1):
         _made_at_the_first_step(tmp_path / "full", rank)
+    # read by the plugin (and so by Model.load_from_checkpoint) as Lightning saved it
+    from resilient.lightning import ResilientCheckpointIO
+
+    saved = ResilientCheckpointIO().load_checkpoint(step4)
+    assert saved["global_step"] == 4 and saved["hyper_parameters"] == {"width": 16} and saved["optimizer_states"]
+    assert _same(saved["state_dict"], torch.load(tmp_path / "full" / "weights-4.pt"))
     _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "5", "1", str(step4), env=ddp)
     start = torch.load(tmp_path / "one" / "start.pt")
     assert start["step"] == 4 and start["adam_steps"] == [4.0]
