@@ -22,6 +22,7 @@ import os
 from collections import Counter
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -38,13 +39,14 @@ from .lightning import (
     _key,
     _lightning_packages,
     _local,
-    _storable,
+    _move,
     checkpointer_for,
     done_with,
     finish,
     finish_all,
     next_number,
     saves_at_a_checkpoint,
+    storable,
 )
 
 __all__ = ["ResilientDDPStrategy", "ResilientModelParallelStrategy"]
@@ -122,12 +124,11 @@ class _SavedByEveryRank:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint: storage_options are given to the strategy "
                             "(remote=, storage_options=), not to each save")
-        path = self._agreed_save(filepath)
-        replaced: list[str] = []
-        # the shards as Lightning collected them (its hooks may have changed them); the rest as plain data
-        state = {"state_dict": checkpoint.pop("state_dict"),
-                 "optimizer_states": checkpoint.pop("optimizer_states", []),
-                 "lightning": {k: _storable(v, k, replaced) for k, v in checkpoint.items()}}
+        # the model's and optimizers' state as Lightning collected it (its hooks may have
+        # changed it); the rest as plain data, rank 0's on every rank (``_agreed_save``)
+        model, optimizers = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        path, rest = self._agreed_save(filepath, storable(checkpoint) if self.is_global_zero else None)
+        state = {"state_dict": model, "optimizer_states": optimizers, "lightning": rest}
         ckpt = checkpointer_for(self._saving, self._saves, path, lambda: self._files._checkpointer(path))
         # a sequence number, not the global step: the same path may be saved twice at one
         # step. A new checkpointer's is agreed: each rank's local tier, and the remote tier
@@ -216,13 +217,18 @@ class _SavedByEveryRank:
             link = False
         return (path if link else _key(path)), link
 
-    def _agreed_save(self, filepath: Any) -> str:
-        """``_agreed`` for a save, and ``_finish_done``, in one gather: the path to save to.
+    def _agreed_save(self, filepath: Any, rest: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+        """``_agreed`` for a save, ``_finish_done``, and rank 0's ``rest`` of Lightning's
+        checkpoint (given by rank 0), in one gather: (the path to save to, that ``rest``).
 
         Why one: each was a collective inside the step. Why a failure rides in it: a save
         that failed in the background is raised at the next save (``done_with``), and one
         rank raising before a collective the others enter left them waiting there. Every
-        rank raises now: the failing rank its error, the others an error naming that rank."""
+        rank raises now: the failing rank its error, the others an error naming that rank.
+        Why rank 0's rest: it holds what each rank's callbacks and loops keep, which may
+        differ by rank (``ModelCheckpoint``'s ``best_model_score`` of a metric each rank
+        logs alone), and a plain tensor that differs by rank was refused, failing the save.
+        Lightning saves rank 0's (under DDP only rank 0 saves), and every rank loads it."""
         path = _local(filepath, "save")
         view = self._view(path, replace=True) if self.is_global_zero else None
         failed: Exception | None = None
@@ -230,15 +236,16 @@ class _SavedByEveryRank:
             mine = done_with(self._saving, self._saves)
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank has heard of it
             mine, failed = [], exc
-        everyone = _gathered((view, mine, None if failed is None else f"{type(failed).__name__}: {failed}"))
+        sent = None if rest is None else _move(rest, torch.device("cpu"))  # not onto another rank's device
+        everyone = _gathered((view, mine, None if failed is None else f"{type(failed).__name__}: {failed}", sent))
         if failed is not None:
             raise failed
-        for rank, (_, _, why) in enumerate(everyone):
+        for rank, (_, _, why, _) in enumerate(everyone):
             if why is not None:
                 raise ResilientError(f"a save that {type(self).__name__} wrote in the background failed on rank "
                                      f"{rank}: {why}")
-        self._finish_done(mine, [done for _, done, _ in everyone])
-        return everyone[0][0][0]
+        self._finish_done(mine, [done for _, done, _, _ in everyone])
+        return everyone[0][0][0], everyone[0][3]
 
     def _finish(self, path: str) -> None:
         finish(self._saving, path)

@@ -76,6 +76,16 @@ def _storable(value: Any, path: str, replaced: list[str]) -> Any:
     return repr(value)
 
 
+def storable(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` as resilient stores it (``_storable``), with a warning naming what was
+    replaced by its repr."""
+    replaced: list[str] = []
+    state = {k: _storable(v, k, replaced) for k, v in checkpoint.items()}
+    if replaced:
+        log.warning("resilient: stored as text (cannot be saved without pickle): %s", ", ".join(replaced[:10]))
+    return state
+
+
 def _lightning_packages() -> list[str]:
     """The Lightning packages installed: ``pytorch_lightning`` and ``lightning.pytorch``."""
     return [package for package in ("pytorch_lightning", "lightning.pytorch")
@@ -138,10 +148,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         path = _key(path)
         self._finish_done()
         self._housekeeper.sweep(os.path.dirname(path))
-        replaced: list[str] = []
-        state = {k: _storable(v, k, replaced) for k, v in checkpoint.items()}
-        if replaced:
-            log.warning("resilient: stored as text (cannot be saved without pickle): %s", ", ".join(replaced[:10]))
+        state = storable(checkpoint)
         ckpt = checkpointer_for(self._open, self._saves, path, lambda: self._checkpointer(path, SoloCoordinator()))
         # a sequence number, not the global step: the same path may be saved twice at one step
         self._buffers.save(ckpt, next_number(ckpt, lambda: ckpt._latest(remote=self._may_be_remote(path))), state)

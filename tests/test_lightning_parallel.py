@@ -35,7 +35,9 @@ class Sharded(pl.LightningModule):
         fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, index):
-        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.log("loss", loss)  # each rank its own (no sync_dist): a monitor's score differs by rank
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -107,7 +109,7 @@ if os.environ.get("SAVE_LAST") == "copy":  # last.ckpt saved again at every chec
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=1, save_last=True), Kept()]
 else:
     saving = [ModelCheckpoint(dirpath=ckpts, every_n_train_steps=int(os.environ.get("EVERY", 4)), save_top_k=-1,
-                              save_last="link")]
+                              save_last="link", monitor=os.environ.get("MONITOR"))]
 if os.environ.get("STRATEGY") == "ddp":
     strategy = ResilientDDPStrategy(remote=os.environ.get("REMOTE"))
 else:
@@ -180,9 +182,10 @@ def test_ddp_saves_each_ranks_slice_and_resumes_at_another_world_size(tmp_path):
     """``ResilientDDPStrategy``: the model and Adam's state, the same on both ranks, are
     saved by both, each writing its slice of the bytes (under the plugin rank 0 copies and
     writes all of it while the other waits); the buffers are made at the first optimizer
-    step. Resumed on one rank from step 4, training starts from step 4's weights and Adam's
+    step; the rest of Lightning's checkpoint is rank 0's, a monitored score that differs by
+    rank included. Resumed on one rank from step 4, training starts from step 4's weights and Adam's
     step count."""
-    ddp = {"STRATEGY": "ddp"}
+    ddp = {"STRATEGY": "ddp", "MONITOR": "loss"}  # each rank's callback scores its own loss
     said = _run(tmp_path, str(tmp_path / "ckpts"), str(tmp_path / "full"), "8", "2", env=ddp)
     assert "rank 0: trained to step 8" in said
     step4 = tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
@@ -196,6 +199,10 @@ def test_ddp_saves_each_ranks_slice_and_resumes_at_another_world_size(tmp_path):
 
     saved = ResilientCheckpointIO().load_checkpoint(step4)
     assert saved["global_step"] == 4 and saved["hyper_parameters"] == {"width": 16} and saved["optimizer_states"]
+    # the callbacks' state is rank 0's, as Lightning saves it (a score that differed by rank
+    # failed the save: a plain tensor every rank must hold alike)
+    [scored] = [v for k, v in saved["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    assert scored["monitor"] == "loss" and scored["best_model_score"].numel() == 1
     assert _same(saved["state_dict"], torch.load(tmp_path / "full" / "weights-4.pt"))
     _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "5", "1", str(step4), env=ddp)
     start = torch.load(tmp_path / "one" / "start.pt")
