@@ -63,6 +63,28 @@ def test_two_nodes_form_one_gang_sharing_a_store(etcd_server, run_id):
     assert a.is_closed()
 
 
+def test_a_round_whose_store_has_the_address_of_one_this_agent_hosted_before_is_joined_as_a_client(
+        etcd_server, run_id):
+    """Two agents on one host: agent a hosted round 1's store; b closed round 2, and a let its
+    own store go; b's store of round 3 got the port a's had. a took it for its own, found
+    none, and crashed ("store argument cannot be None": seen in CI, a worker-restart test).
+    Here a is left as round 2 left it, and round 3's store is at that address."""
+    from torch.distributed import TCPStore
+
+    a = handler(etcd_server, run_id, 1, 2)
+    theirs = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # b's store for round 3
+    address = f"127.0.0.1:{theirs.port}"
+    a._hosting, a._server = address, None  # round 1's store was a's, at this address; round 2 was b's
+    a._joining_since = time.monotonic()
+    try:
+        info = a._finish(Round(3, "running", "b", ["b", a.node], address), revision=1)
+        assert info.rank == 1 and info.world_size == 2
+        info.store.set("hello", b"from a")  # reaches b's store, under the round's prefix
+        assert theirs.get("/round-3/hello") == b"from a"
+    finally:
+        a.shutdown()
+
+
 def test_lost_lease_is_seen_by_the_survivor_within_the_ttl(etcd_server, run_id):
     a, b = handler(etcd_server, run_id, 1, 2), handler(etcd_server, run_id, 1, 2)
     try:

@@ -522,10 +522,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         rank = state.members.index(self.node)
         address = state.store
         host, _, port = address.rpartition(":")
-        if address == self._hosting:
+        if self._server is not None and address == self._hosting:
             store: Any = self._server
         else:
-            self._server = None  # another agent hosts this round's store
+            # another agent hosts this round's store. Forget ours and its address: an agent on
+            # the same host may later get that port for a round it closes, and this agent took
+            # such a store for its own, found none, and crashed ("store argument cannot be None")
+            self._server, self._hosting = None, ""
             store = TCPStore(host, int(port), is_master=False,
                              timeout=timedelta(seconds=self.conf["store_timeout"]))
         self._running = state
