@@ -28,14 +28,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from ._checkpointer import Checkpointer
 from ._errors import ResilientError
-from ._plan import plan_layout
-from ._snapshot import Staging
-from ._tree import flatten_state
 from .lightning import (
-    ROOM,
     FirstSteps,
     ResilientCheckpointIO,
     as_lightning_saved_it,
+    buffer_size,
     _key,
     _lightning_packages,
     _local,
@@ -98,26 +95,19 @@ class _SavedByEveryRank:
 
     def _prepare_buffers(self) -> None:
         """Size the staging buffers for the state the saves will be given (the shards of the
-        model and the optimizers; Lightning's own tensors, a few scores, go in ``ROOM``) and
-        make them now, touched in the background (``_SharedBuffers.prepare``). Collective:
-        every rank makes its optimizer steps in the same order."""
+        model and the optimizers; Lightning's own tensors, a few scores, go in ``ROOM``:
+        ``buffer_size``) and make them now, touched in the background
+        (``_SharedBuffers.prepare``). Collective: every rank makes its optimizer steps in the
+        same order."""
         count = saves_at_a_checkpoint(self.lightning_module.trainer)  # the same on every rank
         if not count:
             return
         state = {"state_dict": self.lightning_module_state_dict(),
                  "optimizer_states": [self.optimizer_state(o) for o in self.optimizers]}
-        try:
-            flat = flatten_state(state, self.global_rank)
-        except Exception:  # noqa: BLE001 - the save refuses it, naming the key
-            flat = None
-        if not self.reduce_boolean_decision(flat is not None, all=True):
-            return
-        assert flat is not None
-        try:
-            plan = plan_layout(flat.tensors, flat.per_rank, self.global_rank, self.world_size, _gathered)
-        except ResilientError:  # refused alike on every rank (planned from what all gathered): the save says why
-            return
-        self._files._buffers.prepare(plan.nbytes + ROOM, Staging.on_device(flat.tensors), count)
+        sized = buffer_size(state, self.global_rank, self.world_size, _gathered,
+                            lambda ok: self.reduce_boolean_decision(ok, all=True))
+        if sized is not None:
+            self._files._buffers.prepare(*sized, count)
 
     # -- saving ---------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

@@ -263,12 +263,9 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             return
         state = {"state_dict": strategy.lightning_module.state_dict(),
                  "optimizer_states": [o.state_dict() for o in strategy.optimizers]}
-        try:
-            flat = flatten_state(state)
-            plan = plan_layout(flat.tensors, flat.per_rank, 0, 1, lambda description: [description])
-        except (ResilientError, TypeError, ValueError):  # the save refuses it, naming the key
-            return
-        self._buffers.prepare(plan.nbytes + ROOM, Staging.on_device(flat.tensors), count)
+        sized = buffer_size(state, 0, 1, lambda description: [description], lambda ok: ok)
+        if sized is not None:
+            self._buffers.prepare(*sized, count)
 
     # -- in-flight saves -----------------------------------------------------------------------
     def _finish(self, path: str) -> None:
@@ -367,6 +364,26 @@ def as_lightning_saved_it(state: dict[str, Any]) -> dict[str, Any]:
 #: room in each staging buffer made before the first save for what it is not sized for:
 #: Lightning's own tensors (``ModelCheckpoint``'s scores, a grad scaler's), 64 bytes each
 ROOM = 1 << 20
+
+
+def buffer_size(state: Mapping[str, Any], rank: int, world_size: int, all_gather: Callable[[object], list[Any]],
+                agree: Callable[[bool], bool]) -> tuple[int, bool] | None:
+    """The bytes of a staging buffer for saves of ``state`` (planned as the saves plan it, and
+    ``ROOM``) and whether it is pinned (the state is on an accelerator); None where the save
+    would refuse the state, which it then does, naming the key. Collective over the ranks
+    that save together: ``all_gather`` and ``agree`` (every rank's answer, all true)."""
+    try:
+        flat = flatten_state(state, rank)
+    except Exception:  # noqa: BLE001 - the save refuses it, naming the key
+        flat = None
+    if not agree(flat is not None):
+        return None
+    assert flat is not None
+    try:
+        plan = plan_layout(flat.tensors, flat.per_rank, rank, world_size, all_gather)
+    except ResilientError:  # refused alike on every rank (planned from what all gathered)
+        return None
+    return plan.nbytes + ROOM, Staging.on_device(flat.tensors)
 
 
 class FirstSteps:
