@@ -4,9 +4,11 @@ both tiers within the grace period, and the processes exit."""
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -94,13 +96,65 @@ def test_sigusr1_to_resilient_run_preempts_every_rank_at_one_step(tmp_path):
 
 
 _SAVES_THEN_EVALUATES = """
-import sys, time, torch
+import faulthandler, signal, sys, time, torch
 from resilient import Checkpointer
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test asks for the stacks if it falls silent
 ckpt = Checkpointer(sys.argv[1])
 ckpt.save(1, {"w": torch.ones(4)}).result()
 print("saved; evaluating", flush=True)
 time.sleep(600)  # no save() comes: a long evaluation, or a loop that is done saving
 """
+
+
+class _Output:
+    """A child's output read line by line with a deadline, by a thread: a child that falls
+    silent fails the test with every thread's stack (SIGUSR2, faulthandler) instead of
+    holding it until the suite's timeout with nothing to say why (seen once in CI)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self._proc, self._lines = proc, queue.Queue()
+        self.text = ""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def line(self, timeout: float, waiting_for: str) -> str:
+        """The next line ("" at the end of the output); AssertionError with the stacks when none comes in time."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self._stuck(f"no output for {timeout} s while waiting for {waiting_for}")
+        self.text += line or ""
+        return line or ""
+
+    def ended(self, timeout: float) -> str:
+        """All of the output once the child has ended; AssertionError with the stacks when it has not in time."""
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._stuck(f"still running {timeout} s later")
+        return self.rest(10)
+
+    def _stuck(self, what: str) -> None:
+        self._proc.send_signal(signal.SIGUSR2)
+        self.rest(2)
+        raise AssertionError(f"the child: {what}; its output and every thread's stack:\n{self.text[-6000:]}")
+
+    def rest(self, timeout: float) -> str:
+        """What is left of the output once the child has ended (waiting ``timeout`` s for that)."""
+        deadline = time.monotonic() + timeout
+        while (line := self._next_before(deadline)) is not None:
+            self.text += line
+        return self.text
+
+    def _next_before(self, deadline: float) -> str | None:
+        try:
+            return self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
 
 
 @pytest.mark.parametrize("signals", [1, 2])
@@ -112,14 +166,14 @@ def test_a_process_asked_to_stop_that_saves_no_more_still_ends(tmp_path, signals
     env = {**os.environ, "PYTHONPATH": REPO, "RESILIENT_PREEMPT_GRACE": grace}
     proc = subprocess.Popen([sys.executable, "-c", _SAVES_THEN_EVALUATES, str(tmp_path / "ckpt")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    output = _Output(proc)
     try:
-        assert proc.stdout.readline().strip() == "saved; evaluating"
+        assert output.line(60, "the save").strip() == "saved; evaluating", output.text[-3000:]
         proc.send_signal(signal.SIGTERM)
-        said = proc.stdout.readline()  # the handler has run: a second signal is one of its own
+        output.line(30, "the handler's warning")  # the handler has run: a second signal is one of its own
         if signals == 2:  # (sent before that, two can arrive as one when the machine is busy)
             proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=40)
-        out = said + out
+        out = output.ended(40)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
