@@ -54,7 +54,6 @@ from ._chunkio import ChunkedFile, ChunkRun, batched
 from ._coord import Coordinator
 from ._errors import CheckpointCorruptError, ResilientError, StateError
 from ._format import dtype_from_name, dtype_name
-from ._generators import stateful_generator
 from ._kinds import NOT_A_KIND, into_own_kind
 from ._gc_pause import gc_paused
 from ._layout import Box, contiguous_range, intersect
@@ -64,7 +63,7 @@ from ._rng import decode_rng
 from ._saved_trees import partitioned_entries
 from ._tree import (build_value, child_path, flatten_target, is_stateful, per_rank_path, tensor_names,
                     without_plain_bytes)
-from ._wrappers import state_holder
+from ._wrappers import adapter_for, state_holder
 
 __all__ = ["load_checkpoint", "OtherRankFailed"]
 
@@ -427,7 +426,7 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
     ``saved``'s own."""
     if id(live) in filled:
         return saved
-    if (is_stateful(live) or stateful_generator(live) is not None) and isinstance(saved, dict):
+    if (is_stateful(live) or adapter_for(live) is not None) and isinstance(saved, dict):
         filled.add(id(live))
         holder = state_holder(live, saved)  # a wrapper's module (DDP, torch.compile), as at the top level
         if isinstance(holder, torch.nn.Module):

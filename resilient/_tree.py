@@ -27,7 +27,7 @@ from ._kinds import (FROM_TEXT, SCALARS, array_tensor, as_bytes, as_numpy, as_se
                      scalar_set, text_kind)
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
-from ._wrappers import state_holder
+from ._wrappers import adapter_for, state_holder
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful",
            "per_rank_path", "tensor_names", "without_plain_bytes"]
@@ -151,7 +151,7 @@ class Flattened:
                 f"state[{path!r}]: PerRank must wrap a top-level entry of the state "
                 "(state['name'] = PerRank(value))"
             )
-        holder = (obj if is_stateful(obj) else stateful_generator(obj)) if expand_stateful else None
+        holder = (adapter_for(obj) or (obj if is_stateful(obj) else None)) if expand_stateful else None
         if holder is not None:
             return {"t": "obj", "sd": self.encode(_state_dict_of(holder, path), path, expand_stateful=False)}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

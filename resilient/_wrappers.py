@@ -21,9 +21,10 @@ from typing import Any, Iterable
 
 import torch
 
+from ._loaders import loader_adapter
 from ._generators import stateful_generator
 
-__all__ = ["state_holder"]
+__all__ = ["state_holder", "adapter_for"]
 
 #: (the attribute holding the wrapped module, the prefix its keys get): torch.compile's
 #: wrapper, then DDP's and DataParallel's
@@ -60,16 +61,24 @@ def _levels(obj: Any) -> tuple[list[Any], list[str]]:
         prefixes.append(known[1])
 
 
+def adapter_for(obj: Any) -> Any | None:
+    """What gives and takes ``obj``'s state where the object's own ``state_dict`` cannot, or
+    not all of it: a random generator's (``_generators``), a data loader's (``_loaders``);
+    None for anything else."""
+    adapter = stateful_generator(obj)
+    return adapter if adapter is not None else loader_adapter(obj)
+
+
 def state_holder(obj: Any, saved_keys: Iterable[Any] | None = None) -> Any:
     """The object whose ``state_dict`` a checkpoint holds for entry ``obj``.
 
     Saving (``saved_keys`` None): the innermost module of a wrapper, else ``obj``.
     Restoring: the outermost level whose keys, prefixes included, all of ``saved_keys``
     (the keys of the saved state dict) start with; the innermost when none does. A random
-    generator's entry is held by an adapter that gives its state (``_generators``)."""
-    generator = stateful_generator(obj)
-    if generator is not None:
-        return generator
+    generator and a data loader are held by an adapter (``adapter_for``)."""
+    adapter = adapter_for(obj)
+    if adapter is not None:
+        return adapter
     chain, prefixes = _levels(obj)
     if saved_keys is None or len(chain) == 1:
         return chain[-1]

@@ -1,0 +1,128 @@
+"""Data loaders whose position a checkpoint keeps: what their own ``state_dict`` leaves out.
+
+torchdata's ``StatefulDataLoader`` gives its position within the epoch. Two things decide
+whether a resumed run then sees what an uninterrupted one would have:
+
+* **The draw of a new iterator.** Making an iterator draws a seed from torch's global
+  generator (``DataLoader``'s base seed, for its workers). The uninterrupted run drew it as
+  the epoch began; a resumed run drew it at its first batch, after the restore had set the
+  generators as they were at the save: every random number after that was one draw off (a
+  dropout mask, an augmentation), though the batches were right. So a restore makes the
+  resumed iterator at once (``state_dict`` does, torchdata's way of keeping one), and the
+  generators are set after it (``Checkpointer.restore`` applies them after the state).
+* **The epoch, with accelerate.** ``Accelerator.prepare(loader)`` (with
+  ``DataLoaderConfiguration(use_stateful_dataloader=True)``) returns a ``DataLoaderShard``
+  that counts epochs itself (``iteration``), which its state leaves out and a new process
+  starts at 0: a run resumed after its first epoch replayed the first epoch's order, and
+  one saved at an epoch's last batch began that epoch again (a shuffled 4-batch epoch
+  resumed at batches 4, 5 and 8: the wrong batches followed every time). So its checkpoint
+  holds ``{"epoch", "position"}``, and a restore sets both (``set_epoch``); saved at an
+  epoch's end, the next epoch starts afresh, its iterator made at the first batch as in
+  the uninterrupted run.
+
+The shuffled order comes back only from accelerate's ``SeedableRandomSampler``
+(``use_seedable_sampler=True``: the order is its seed and the epoch). The default
+``RandomSampler`` draws each epoch's order from a generator as the epoch starts, a state no
+checkpoint holds: such a loader is saved all the same, with a warning (once a loader)
+saying what to change. Both libraries are looked up only among the modules already loaded:
+a program holding such a loader has loaded them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from typing import Any
+
+from ._errors import UnsupportedStateError
+
+__all__ = ["loader_adapter"]
+
+log = logging.getLogger("resilient")
+
+EPOCH, POSITION = "epoch", "position"
+_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _class(module: str, name: str) -> type | None:
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
+
+
+def loader_adapter(obj: Any) -> "_StatefulLoader | None":
+    """What gives and takes a data loader's state for a checkpoint (see the module's text),
+    or None for anything else."""
+    accelerated = _class("accelerate.data_loader", "DataLoaderAdapter")
+    if accelerated is not None and isinstance(obj, accelerated):  # before torchdata's: it passes for one
+        return _AcceleratedLoader(obj) if hasattr(obj, "iteration") and hasattr(obj, "base_dataloader") else None
+    stateful = _class("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader")
+    if stateful is not None and isinstance(obj, stateful):
+        return _StatefulLoader(obj)
+    return None
+
+
+def _make_resumed_iterator(loader: Any) -> None:
+    """A StatefulDataLoader's iterator from the state just loaded, made now (its seed drawn
+    before the restore sets the generators): the loader's next ``iter`` takes this one."""
+    if getattr(loader, "next_iter_state", None):
+        loader.state_dict()
+
+
+class _StatefulLoader:
+    """torchdata's StatefulDataLoader: its own state, its resumed iterator made at restore."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.loader.load_state_dict(state)
+        _make_resumed_iterator(self.loader)
+
+
+class _AcceleratedLoader(_StatefulLoader):
+    """accelerate's prepared loader: ``{"epoch": its epoch, "position": its state_dict}``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        if not getattr(self.loader, "use_stateful_dataloader", False):
+            raise UnsupportedStateError(
+                "a data loader prepared by accelerate keeps its position only when the Accelerator is made with "
+                "dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True) (torchdata's "
+                "StatefulDataLoader); make it so, or leave the loader out of the state")
+        self._warn_if_unordered()
+        return {EPOCH: int(self.loader.iteration), POSITION: self.loader.state_dict()}
+
+    def load_state_dict(self, state: Any) -> None:
+        if not isinstance(state, dict) or set(state) != {EPOCH, POSITION}:
+            self.loader.load_state_dict(state)  # the loader's own state, as saved before its epoch was kept
+            _make_resumed_iterator(self.loader.base_dataloader)
+            return
+        position, epoch = state[POSITION], state[EPOCH]
+        if isinstance(position, dict) and position.get("_iterator_finished"):
+            # saved at the epoch's last batch: the next epoch from its start, its iterator
+            # made (and its seed drawn) at its first batch, as the uninterrupted run made it
+            self.loader.load_state_dict({})
+            epoch += 1
+        else:
+            self.loader.load_state_dict(position)
+            _make_resumed_iterator(self.loader.base_dataloader)
+        self.loader.set_epoch(epoch)
+
+    def _warn_if_unordered(self) -> None:
+        """Once a loader: a shuffle whose order a restore cannot bring back."""
+        if self.loader in _warned:
+            return
+        _warned.add(self.loader)
+        sampler = self.loader.get_sampler() if hasattr(self.loader, "get_sampler") else None
+        seedable = _class("accelerate.data_loader", "SeedableRandomSampler")
+        random_sampler = _class("torch.utils.data", "RandomSampler")
+        if (random_sampler is not None and isinstance(sampler, random_sampler)
+                and not (seedable is not None and isinstance(sampler, seedable))):
+            log.warning("resilient: a data loader prepared by accelerate shuffles with a RandomSampler, which draws "
+                        "each epoch's order from a generator as the epoch starts: a restore brings back the "
+                        "position within the epoch, not that order. Make the Accelerator with "
+                        "dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, "
+                        "use_seedable_sampler=True) for a resumed run to see the batches it would have seen")

@@ -1,0 +1,121 @@
+"""Data loaders as users hold them: torchdata's ``StatefulDataLoader``, and the one
+``accelerate`` prepares, in a loop whose steps draw random numbers (dropout). A resumed run
+sees the batches and the random numbers the uninterrupted run saw, at an epoch's end, in
+its middle and after it; ``examples/accelerate_train.py`` on two ranks under
+``resilient-run``, SIGKILLed in its second epoch, ends bit for bit where the uninterrupted
+run does."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from resilient import Checkpointer, UnsupportedStateError
+
+from .launch import REPO
+
+pytest.importorskip("torchdata")
+accelerate = pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.timeout(240)
+
+EPOCH = 4  # batches an epoch
+
+
+def _dataset() -> torch.utils.data.Dataset:
+    return torch.utils.data.TensorDataset(torch.arange(4.0 * EPOCH))
+
+
+def _torchdata_loader():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(0)
+    return StatefulDataLoader(_dataset(), batch_size=4, shuffle=True)
+
+
+def _accelerate_loader(seedable: bool = True, stateful: bool = True):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(use_stateful_dataloader=stateful, use_seedable_sampler=seedable)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    torch.manual_seed(0)
+    return accelerator.prepare(torch.utils.data.DataLoader(_dataset(), batch_size=4, shuffle=True))
+
+
+def _steps(loader, until: int, start: int = 0, save_at: int | None = None, root: str | None = None) -> list:
+    """(batch, the step's random number) of each step from ``start`` to ``until``, epoch
+    after epoch; with ``save_at``, the loader is checkpointed (generators too) at that step."""
+    seen, step = [], start
+    with Checkpointer(root or "unused", every=10**9) as ckpt:
+        while step < until:
+            for (batch,) in loader:
+                step += 1
+                seen.append((batch.tolist(), torch.rand(1).item()))  # a dropout mask's draw
+                if step == save_at:
+                    ckpt.save(step, {"loader": loader}, force=True)
+                if step == until:
+                    break
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["torchdata", "accelerate"])
+@pytest.mark.parametrize("save_at", [2, EPOCH, EPOCH + 1, 2 * EPOCH])
+def test_a_restored_loader_gives_the_batches_and_random_numbers_of_the_uninterrupted_run(tmp_path, kind, save_at):
+    """Before, the order was right but every random number after a resume was one draw off
+    (the resumed iterator drew its seed after the restore had set the generators), and an
+    accelerate loader resumed after its first epoch replayed that epoch's order, or, saved
+    at an epoch's last batch, began that epoch again."""
+    make = _torchdata_loader if kind == "torchdata" else _accelerate_loader
+    uninterrupted = _steps(make(), 3 * EPOCH)
+    root = str(tmp_path / "ckpt")
+    _steps(make(), save_at, save_at=save_at, root=root)
+    resumed_loader = make()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore({"loader": resumed_loader}) == save_at
+    assert _steps(resumed_loader, 3 * EPOCH, start=save_at) == uninterrupted[save_at:]
+
+
+def test_an_accelerate_loader_without_its_state_is_refused_naming_the_setting(tmp_path):
+    loader = _accelerate_loader(stateful=False)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt, pytest.raises(UnsupportedStateError) as err:
+        ckpt.save(1, {"loader": loader}, force=True)
+    assert "use_stateful_dataloader=True" in str(err.value)
+    assert "state['loader']" in "".join(getattr(err.value, "__notes__", [])), err.value.__notes__
+
+
+def test_a_shuffle_whose_order_cannot_come_back_is_warned_of_once(tmp_path, caplog):
+    loader = _accelerate_loader(seedable=False)
+    with caplog.at_level(logging.WARNING, logger="resilient"), Checkpointer(str(tmp_path / "ckpt"), keep=None) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"loader": loader}, force=True)
+    warnings = [r for r in caplog.records if "RandomSampler" in r.getMessage()]
+    assert len(warnings) == 1 and "use_seedable_sampler=True" in warnings[0].getMessage()
+    seedable = _accelerate_loader(seedable=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="resilient"), Checkpointer(str(tmp_path / "ckpt2")) as ckpt:
+        ckpt.save(1, {"loader": seedable}, force=True)
+    assert "RandomSampler" not in caplog.text
+
+
+def _example(*args: str) -> str:
+    cmd = [sys.executable, "-m", "resilient.launch.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "0", "examples/accelerate_train.py", *args]
+    # one intra-op thread: a CPU reduction's rounding depends on how it is split (test_hf_example)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    return out.stdout + out.stderr
+
+
+def test_the_accelerate_example_killed_in_its_second_epoch_resumes_bit_for_bit(tmp_path):
+    """Two ranks, 16 steps an epoch, a save every 8: killed at step 29, resumed from 24."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert "trained to step 40" in _example("--dir", str(full), "--steps", "40", "--out", str(tmp_path / "full.pt"))
+    assert "killed at step 29" in _example("--dir", str(resumed), "--steps", "40", "--kill-at", "29")
+    out = _example("--dir", str(resumed), "--steps", "40", "--out", str(tmp_path / "resumed.pt"))
+    assert "resumed at step 24 on 2 process(es)" in out and "trained to step 40" in out, out[-3000:]
+    a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), out[-3000:]
