@@ -7,7 +7,8 @@ the prepared model, optimizer, scheduler and data loader go into ``save`` as the
 Run it again and it resumes from the newest committed step: the weights, Adam's moments, the
 schedule, the generators and the data loader's position (a ``StatefulDataLoader``, which
 ``accelerate`` makes with ``use_stateful_dataloader=True``), so a resumed run ends bit for
-bit where an uninterrupted one does. ``--kill-at N`` SIGKILLs every process after step N.
+bit where an uninterrupted one does, and at another number of processes it goes on from
+the same point of the epoch. ``--kill-at N`` SIGKILLs every process after step N.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if step == a.steps:
                     break
+            else:  # the loader is done: an epoch ended
+                if accelerator.is_main_process:
+                    print(f"epoch {loader.iteration - 1} ended at step {step}", flush=True)
         if accelerator.is_main_process:
             print(f"trained to step {step}, loss {loss.item():.6f}", flush=True)
     if a.out and accelerator.is_main_process:

@@ -19,6 +19,13 @@ whether a resumed run then sees what an uninterrupted one would have:
   holds ``{"epoch", "position"}``, and a restore sets both (``set_epoch``); saved at an
   epoch's end, the next epoch starts afresh, its iterator made at the first batch as in
   the uninterrupted run.
+* **The number of processes, with accelerate.** Each process of ``DataLoaderShard`` takes
+  every N-th batch of the epoch; its position counts the batches it took. Restored at
+  another number of processes (a resized gang) as it was, it went back or forward in the
+  epoch (two processes 8 batches in, 16 of the epoch's batches, became one process 8
+  batches in). So the checkpoint holds the number too, and the position is rescaled to the
+  same point of the epoch; where that point falls between two steps of the new gang, to
+  the step before it (a batch or two seen again, none skipped), with a warning.
 
 The shuffled order comes back only from accelerate's ``SeedableRandomSampler``
 (``use_seedable_sampler=True``: the order is its seed and the epoch). The default
@@ -41,7 +48,9 @@ __all__ = ["loader_adapter"]
 
 log = logging.getLogger("resilient")
 
-EPOCH, POSITION = "epoch", "position"
+EPOCH, POSITION, PROCESSES = "epoch", "position", "processes"
+#: the position's counts of batches taken, in a StatefulDataLoader's state
+_COUNTS = ("_sampler_iter_yielded", "_num_yielded")
 _warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
@@ -84,7 +93,7 @@ class _StatefulLoader:
 
 
 class _AcceleratedLoader(_StatefulLoader):
-    """accelerate's prepared loader: ``{"epoch": its epoch, "position": its state_dict}``."""
+    """accelerate's prepared loader: ``{"epoch", "position": its state_dict, "processes"}``."""
 
     def state_dict(self) -> dict[str, Any]:
         if not getattr(self.loader, "use_stateful_dataloader", False):
@@ -93,10 +102,10 @@ class _AcceleratedLoader(_StatefulLoader):
                 "dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True) (torchdata's "
                 "StatefulDataLoader); make it so, or leave the loader out of the state")
         self._warn_if_unordered()
-        return {EPOCH: int(self.loader.iteration), POSITION: self.loader.state_dict()}
+        return {EPOCH: int(self.loader.iteration), POSITION: self.loader.state_dict(), PROCESSES: _processes()}
 
     def load_state_dict(self, state: Any) -> None:
-        if not isinstance(state, dict) or set(state) != {EPOCH, POSITION}:
+        if not isinstance(state, dict) or not {EPOCH, POSITION} <= set(state):
             self.loader.load_state_dict(state)  # the loader's own state, as saved before its epoch was kept
             _make_resumed_iterator(self.loader.base_dataloader)
             return
@@ -107,6 +116,9 @@ class _AcceleratedLoader(_StatefulLoader):
             self.loader.load_state_dict({})
             epoch += 1
         else:
+            saved_by, now = state.get(PROCESSES, _processes()), _processes()
+            if saved_by != now:
+                position = _rescaled(position, saved_by, now)
             self.loader.load_state_dict(position)
             _make_resumed_iterator(self.loader.base_dataloader)
         self.loader.set_epoch(epoch)
@@ -126,3 +138,26 @@ class _AcceleratedLoader(_StatefulLoader):
                         "position within the epoch, not that order. Make the Accelerator with "
                         "dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, "
                         "use_seedable_sampler=True) for a resumed run to see the batches it would have seen")
+
+
+def _processes() -> int:
+    state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
+    return int(state().num_processes) if state is not None else 1
+
+
+def _rescaled(position: Any, saved_by: int, now: int) -> Any:
+    """``position`` of one of ``saved_by`` processes as the same point of the epoch for one
+    of ``now`` (see the module's text); as it was, with a warning, where it cannot be."""
+    counts = [position.get(name) if isinstance(position, dict) else None for name in _COUNTS]
+    if any(not isinstance(c, int) for c in counts) or position.get("_index_sampler_state") is not None:
+        log.warning("resilient: a data loader prepared by accelerate was saved by %d processes and is restored "
+                    "by %d; its position is not one resilient can carry over (a sampler with a state of its own), "
+                    "so each process resumes %s batches into the epoch as saved", saved_by, now, counts[0])
+        return position
+    taken = [count * saved_by for count in counts]  # batches of the epoch that the processes had taken
+    each, over = divmod(taken[0], now)
+    if over:
+        log.warning("resilient: a data loader prepared by accelerate was saved by %d processes, %d batches into "
+                    "the epoch, and is restored by %d: each resumes %d batches in, the step before that point "
+                    "(%d batch(es) seen again, none skipped)", saved_by, taken[0], now, each, over)
+    return {**position, **{name: count // now for name, count in zip(_COUNTS, taken)}}

@@ -3,10 +3,11 @@
 sees the batches and the random numbers the uninterrupted run saw, at an epoch's end, in
 its middle and after it; ``examples/accelerate_train.py`` on two ranks under
 ``resilient-run``, SIGKILLed in its second epoch, ends bit for bit where the uninterrupted
-run does."""
+run does, and resumed on one rank goes on from the same point of the epoch."""
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 
@@ -101,20 +102,38 @@ def test_a_shuffle_whose_order_cannot_come_back_is_warned_of_once(tmp_path, capl
     assert "RandomSampler" not in caplog.text
 
 
-def _example(*args: str) -> str:
-    cmd = [sys.executable, "-m", "resilient.launch.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           "0", "examples/accelerate_train.py", *args]
+def test_a_position_restored_by_another_number_of_processes_is_the_same_point_of_the_epoch(caplog):
+    from resilient._loaders import _rescaled
+
+    position = {"_sampler_iter_yielded": 8, "_num_yielded": 8, "_index_sampler_state": None, "other": 1}
+    assert _rescaled(position, 2, 1) == {**position, "_sampler_iter_yielded": 16, "_num_yielded": 16}
+    assert _rescaled(position, 2, 4) == {**position, "_sampler_iter_yielded": 4, "_num_yielded": 4}
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="resilient"):
+        assert _rescaled(position, 2, 3)["_sampler_iter_yielded"] == 5  # 16 batches: the step before, 15
+    assert "1 batch(es) seen again, none skipped" in caplog.text
+
+
+def _example(*args: str, processes: int = 2) -> str:
+    cmd = [sys.executable, "-m", "resilient.launch.run", "--standalone", "--nproc-per-node", str(processes),
+           "--max-restarts", "0", "examples/accelerate_train.py", *args]
     # one intra-op thread: a CPU reduction's rounding depends on how it is split (test_hf_example)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
     return out.stdout + out.stderr
 
 
-def test_the_accelerate_example_killed_in_its_second_epoch_resumes_bit_for_bit(tmp_path):
-    """Two ranks, 16 steps an epoch, a save every 8: killed at step 29, resumed from 24."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    assert "trained to step 40" in _example("--dir", str(full), "--steps", "40", "--out", str(tmp_path / "full.pt"))
+def test_the_accelerate_example_killed_in_its_second_epoch_resumes_bit_for_bit_and_at_one_process(tmp_path):
+    """Two ranks, 16 steps an epoch, a save every 8: killed at step 29, resumed from 24 on
+    two ranks (bit for bit), and on one, where the 16 batches of the epoch left take 16
+    steps: before, it resumed 8 batches into the epoch and ended it at step 48."""
+    full, resumed, one = tmp_path / "full", tmp_path / "resumed", tmp_path / "one"
+    out = _example("--dir", str(full), "--steps", "40", "--out", str(tmp_path / "full.pt"))
+    assert "epoch 1 ended at step 32" in out and "trained to step 40" in out, out[-3000:]
     assert "killed at step 29" in _example("--dir", str(resumed), "--steps", "40", "--kill-at", "29")
+    shutil.copytree(resumed, one)
+    out = _example("--dir", str(one), "--steps", "44", processes=1)
+    assert "resumed at step 24 on 1 process(es)" in out and "epoch 1 ended at step 40" in out, out[-3000:]
     out = _example("--dir", str(resumed), "--steps", "40", "--out", str(tmp_path / "resumed.pt"))
     assert "resumed at step 24 on 2 process(es)" in out and "trained to step 40" in out, out[-3000:]
     a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
