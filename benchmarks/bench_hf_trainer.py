@@ -26,20 +26,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import in_rounds, memcpy_seconds, rendered, reported, stall_cell
+from benchmarks.common import TokenIds, in_rounds, memcpy_seconds, rendered, reported, stall_cell
 
 METHODS = ("Trainer", "ResilientTrainer")
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, length: int) -> None:
-        self.ids = torch.randint(0, 50257, (n, length), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _timed(base: type) -> type:
@@ -70,7 +59,7 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
                              logging_strategy="no")
     kind = _timed(Trainer if method == "Trainer" else ResilientTrainer)
     extra = {} if method == "Trainer" else {"resilient_options": {"events": events}}
-    trainer = kind(model=model, args=args, train_dataset=_Tokens(4 * saves, 32), **extra)
+    trainer = kind(model=model, args=args, train_dataset=TokenIds(4 * saves, 32), **extra)
     trainer.save_seconds = []
     started = time.perf_counter()
     trainer.train()

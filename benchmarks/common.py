@@ -21,6 +21,20 @@ import torch
 GB = 1e9
 
 
+class TokenIds(torch.utils.data.Dataset):
+    """``n`` fixed random sequences of GPT-2 token ids, each its own labels: a language
+    model's batches, the same in every run."""
+
+    def __init__(self, n: int, length: int) -> None:
+        self.ids = torch.randint(0, 50257, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def memcpy_seconds(nbytes: int, repeats: int = 3, sync: Callable[[], None] = lambda: None,
                   chunk: int = 1 << 30) -> float:
     """Median time to copy ``nbytes`` into an already touched buffer (the CPU stall floor).

@@ -1,0 +1,140 @@
+"""A training loop of one's own with Hugging Face ``accelerate``: ``accelerator.save_state``
+and ``load_state`` against a ``Checkpointer`` given the same prepared objects.
+
+    python -m benchmarks.bench_accelerate --layers 12 --saves 3 --rounds 2 --out benchmarks/results-accelerate.json
+
+GPT-2 built from a config (768 wide, ``--layers`` blocks: 124M parameters at 12), AdamW, a
+scheduler and a stateful, seedable data loader, prepared by an ``Accelerator`` on the CPU,
+one process; a save every 2 steps (resilient's ``save`` called at every step, as a loop
+calls it, due every 2), both methods in the same run, alternating by round. For each save:
+the time the loop waits in the save call; for resilient also the time from
+that call until the step is committed (every file fsync'd, the commit record written),
+from its event log (``save_state`` returns with its files in the page cache: its durable
+time is not known). Then the newest checkpoint is restored into freshly prepared objects
+from a cold page cache: ``load_state`` against ``restore``. A memcpy of the saved tensors'
+bytes, measured in the same run, is the floor of any stall. ``--render`` prints the table of
+a results file again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import TokenIds, drop_cache, in_rounds, memcpy_seconds, rendered, reported, stall_cell
+
+METHODS = ("accelerator.save_state", "resilient")
+
+
+def _prepared(layers: int, saves: int) -> tuple[Any, dict[str, Any]]:
+    """(the Accelerator, the state: model, optimizer, scheduler, loader), all prepared."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True,
+                                                                                  use_seedable_sampler=True))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_positions=64))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
+    loader = torch.utils.data.DataLoader(TokenIds(4 * saves, 32), batch_size=1, shuffle=True)
+    model, optim, loader, sched = accelerator.prepare(model, optim, loader, sched)
+    return accelerator, {"model": model, "optim": optim, "sched": sched, "loader": loader}
+
+
+def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
+    from resilient import Checkpointer
+
+    accelerator, state = _prepared(layers, saves)
+    folder = os.path.join(root, method)
+    events = os.path.join(root, f"{method}-events.jsonl")
+    ckpt = Checkpointer(folder, every=2, keep=1, events=events) if method == "resilient" else None
+    save_s, step = [], 0
+    started = time.perf_counter()
+    for batch in state["loader"]:
+        loss = state["model"](**batch).loss
+        accelerator.backward(loss)
+        state["optim"].step()
+        state["sched"].step()
+        state["optim"].zero_grad()
+        step += 1
+        began = time.perf_counter()
+        if ckpt is not None:  # called at every step, as a loop calls it: due every 2
+            saved = ckpt.save(step, state) is not None
+        else:
+            saved = step % 2 == 0
+            if saved:
+                accelerator.save_state(os.path.join(folder, "newest"))
+        if saved:
+            save_s.append(time.perf_counter() - began)
+        if step == 2 * saves:
+            break
+    if ckpt is not None:
+        ckpt.close()  # every save committed
+    train_s = time.perf_counter() - started
+    nbytes = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
+    nbytes += sum(v.numel() * v.element_size() for s in state["optim"].state_dict()["state"].values()
+                  for v in s.values() if isinstance(v, torch.Tensor))
+    committed = []
+    if os.path.exists(events):
+        with open(events) as f:
+            committed = [e["seconds"] for e in map(json.loads, f) if e.get("event") == "save_committed"
+                         and e.get("tier") == "local"]
+    accelerator, fresh = _prepared(layers, saves)
+    drop_cache(folder)
+    began = time.perf_counter()
+    if method == "resilient":
+        with Checkpointer(folder) as reader:
+            assert reader.restore(fresh) == step
+    else:
+        accelerator.load_state(os.path.join(folder, "newest"))
+    restore_s = time.perf_counter() - began
+    return {"method": method, "save_s": save_s, "committed_s": committed, "train_s": train_s,
+            "restore_s": restore_s, "bytes": nbytes}
+
+
+def table(results: dict[str, Any]) -> str:
+    memcpy = results["memcpy_s"]
+    rows = ["| method | saved bytes | first save's stall | later saves' stall (median, range) | committed (fsync'd) "
+            f"after | restore (cold) | run of {2 * results['saves']} steps |", "|---|---|---|---|---|---|---|"]
+    for method in METHODS:
+        runs = [r for r in results["runs"] if r["method"] == method]
+        firsts = ", ".join(f"{r['save_s'][0]:.2f}" for r in runs)
+        later = stall_cell([s for r in runs for s in r["save_s"][1:]], memcpy)
+        committed = [s for r in runs for s in r["committed_s"]]
+        durable = f"{statistics.median(committed):.2f} s" if committed else "not fsync'd"
+        restores = ", ".join(f"{r['restore_s']:.2f}" for r in runs)
+        trains = ", ".join(f"{r['train_s']:.1f}" for r in runs)
+        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} s | {later} | {durable} | "
+                    f"{restores} s | {trains} s |")
+    return "\n".join(rows) + f"\n\nmemcpy of the saved bytes: {memcpy:.3f} s"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--saves", type=int, default=3, help="saves per method and round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
+    p.add_argument("--out", default=None, help="keep the samples as JSON here")
+    p.add_argument("--render", default=None, help="print the table of a results file and exit")
+    a = p.parse_args(argv)
+    if rendered(a.render, table):
+        return
+    runs = in_rounds(METHODS, a.rounds, lambda method, root: one_run(method, a.layers, a.saves, root),
+                     lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, restore {run['restore_s']:.2f} s",
+                     "bench-accelerate-", a.root)
+    results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
+               "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
+    reported(results, a.out, table)
+
+
+if __name__ == "__main__":
+    main()
