@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import time
 from typing import Any
@@ -96,6 +97,9 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     else:
         accelerator.load_state(os.path.join(folder, "newest"))
     restore_s = time.perf_counter() - began
+    shutil.rmtree(folder, ignore_errors=True)  # the next round's run starts from nothing, as this one did
+    if os.path.exists(events):
+        os.remove(events)
     return {"method": method, "save_s": save_s, "committed_s": committed, "train_s": train_s,
             "restore_s": restore_s, "bytes": nbytes}
 
