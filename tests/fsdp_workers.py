@@ -133,9 +133,31 @@ def reference_io():
     return get_state_dict, set_state_dict, StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+class AppState:
+    """torch's DCP recipe for a checkpoint's state (its tutorial's ``AppState``, a
+    ``Stateful``): model and optimizer through ``get_state_dict``/``set_state_dict``, the
+    optimizer's state keyed by parameter name, as programs written for DCP pass them."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def _state(a: dict, model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
-    """The state as saved: top-level entries, or (``nested``) both under one entry, as a
-    program keeping several models' parts together does."""
+    """The state as saved: top-level entries; (``nested``) both under one entry, as a
+    program keeping several models' parts together does; or (``appstate``) DCP's recipe."""
+    if a.get("appstate"):
+        return {"app": AppState(model, optim)}
     return {"train": {"model": model, "optim": optim}} if a.get("nested") else {"model": model, "optim": optim}
 
 

@@ -23,12 +23,12 @@ def saved(tmp_path_factory):
     """mode -> arguments of its saved run (made once per mode, on first use)."""
     runs: dict[str, dict] = {}
 
-    def get(mode: str, world: int, nested: bool = False) -> dict:
-        name = f"{mode}-nested" if nested else mode
+    def get(mode: str, world: int, nested: bool = False, appstate: bool = False) -> dict:
+        name = f"{mode}-nested" if nested else f"{mode}-appstate" if appstate else mode
         if name not in runs:
             d = tmp_path_factory.mktemp(name)
             args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt"), "steps": STEPS, "mode": mode,
-                    "saved_world": world, "nested": nested}
+                    "saved_world": world, "nested": nested, "appstate": appstate}
             run_ranks("save", world, args, module="tests.fsdp_workers", env={"FORCE_DIST": "1"}, timeout=120)
             runs[name] = args
         return runs[name]
@@ -54,6 +54,13 @@ def test_fsdp2_model_and_optimizer_under_one_entry_resume_at_another_world_size(
     level. Before, saving refused them ("cannot be checkpointed without pickle ... or an
     object with state_dict()")."""
     resume(saved("fsdp", 2, nested=True), 3)
+
+
+def test_fsdp2_through_dcps_own_state_dict_recipe_resumes_at_another_world_size(saved):
+    """A program written for DCP (its tutorial's ``AppState``: ``get_state_dict`` and
+    ``set_state_dict``, the optimizer's state keyed by parameter name) passes the same
+    object to resilient: saved on 2 ranks, restored on 3 into a fresh optimizer, exact."""
+    resume(saved("fsdp", 2, appstate=True), 3)
 
 
 @pytest.mark.parametrize("world", [4, 2])
