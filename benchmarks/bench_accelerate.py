@@ -18,17 +18,14 @@ a results file again.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.common import TokenIds, drop_cache, in_rounds, memcpy_seconds, rendered, reported, stall_cell
+from benchmarks.common import TokenIds, committed_seconds, drop_cache, gpt2_saves_main, save_cells, state_bytes
 
 METHODS = ("accelerator.save_state", "resilient")
 
@@ -80,14 +77,7 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     if ckpt is not None:
         ckpt.close()  # every save committed
     train_s = time.perf_counter() - started
-    nbytes = sum(t.numel() * t.element_size() for t in state["model"].state_dict().values())
-    nbytes += sum(v.numel() * v.element_size() for s in state["optim"].state_dict()["state"].values()
-                  for v in s.values() if isinstance(v, torch.Tensor))
-    committed = []
-    if os.path.exists(events):
-        with open(events) as f:
-            committed = [e["seconds"] for e in map(json.loads, f) if e.get("event") == "save_committed"
-                         and e.get("tier") == "local"]
+    nbytes, committed = state_bytes(state["model"], state["optim"]), committed_seconds(events)
     accelerator, fresh = _prepared(layers, saves)
     drop_cache(folder)
     began = time.perf_counter()
@@ -110,34 +100,17 @@ def table(results: dict[str, Any]) -> str:
             f"after | restore (cold) | run of {2 * results['saves']} steps |", "|---|---|---|---|---|---|---|"]
     for method in METHODS:
         runs = [r for r in results["runs"] if r["method"] == method]
-        firsts = ", ".join(f"{r['save_s'][0]:.2f}" for r in runs)
-        later = stall_cell([s for r in runs for s in r["save_s"][1:]], memcpy)
-        committed = [s for r in runs for s in r["committed_s"]]
-        durable = f"{statistics.median(committed):.2f} s" if committed else "not fsync'd"
+        firsts, later, durable, trains = save_cells(runs, memcpy)
         restores = ", ".join(f"{r['restore_s']:.2f}" for r in runs)
-        trains = ", ".join(f"{r['train_s']:.1f}" for r in runs)
-        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} s | {later} | {durable} | "
-                    f"{restores} s | {trains} s |")
+        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} | {later} | {durable} | "
+                    f"{restores} s | {trains} |")
     return "\n".join(rows) + f"\n\nmemcpy of the saved bytes: {memcpy:.3f} s"
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--saves", type=int, default=3, help="saves per method and round")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
-    p.add_argument("--out", default=None, help="keep the samples as JSON here")
-    p.add_argument("--render", default=None, help="print the table of a results file and exit")
-    a = p.parse_args(argv)
-    if rendered(a.render, table):
-        return
-    runs = in_rounds(METHODS, a.rounds, lambda method, root: one_run(method, a.layers, a.saves, root),
-                     lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, restore {run['restore_s']:.2f} s",
-                     "bench-accelerate-", a.root)
-    results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
-               "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
-    reported(results, a.out, table)
+    gpt2_saves_main(argv, __doc__, METHODS, one_run, table,
+                    lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s, restore {run['restore_s']:.2f} s",
+                    "bench-accelerate-")
 
 
 if __name__ == "__main__":

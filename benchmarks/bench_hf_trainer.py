@@ -16,17 +16,14 @@ stall. ``--render`` prints the table of a results file again.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.common import TokenIds, in_rounds, memcpy_seconds, rendered, reported, stall_cell
+from benchmarks.common import TokenIds, committed_seconds, gpt2_saves_main, save_cells, state_bytes
 
 METHODS = ("Trainer", "ResilientTrainer")
 
@@ -64,17 +61,9 @@ def one_run(method: str, layers: int, saves: int, root: str) -> dict[str, Any]:
     started = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - started
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    nbytes += sum(v.numel() * v.element_size() for s in trainer.optimizer.state_dict()["state"].values()
-                  for v in s.values() if isinstance(v, torch.Tensor))
-    committed = []
-    if os.path.exists(events):
-        with open(events) as f:
-            committed = [e["seconds"] for e in map(json.loads, f) if e.get("event") == "save_committed"
-                         and e.get("tier") == "local"]
     shutil.rmtree(out, ignore_errors=True)
-    return {"method": method, "save_s": trainer.save_seconds, "committed_s": committed, "train_s": total,
-            "bytes": nbytes}
+    return {"method": method, "save_s": trainer.save_seconds, "committed_s": committed_seconds(events),
+            "train_s": total, "bytes": state_bytes(model, trainer.optimizer)}
 
 
 def table(results: dict[str, Any]) -> str:
@@ -83,32 +72,14 @@ def table(results: dict[str, Any]) -> str:
             f"after | run of {2 * results['saves']} steps |", "|---|---|---|---|---|---|"]
     for method in METHODS:
         runs = [r for r in results["runs"] if r["method"] == method]
-        first = [r["save_s"][0] for r in runs]
-        later = stall_cell([s for r in runs for s in r["save_s"][1:]], memcpy)
-        committed = [s for r in runs for s in r["committed_s"]]
-        durable = f"{statistics.median(committed):.2f} s" if committed else "not fsync'd"
-        firsts = ", ".join(f"{s:.2f}" for s in first)
-        trains = ", ".join(f"{r['train_s']:.1f}" for r in runs)
-        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} s | {later} | {durable} | {trains} s |")
+        firsts, later, durable, trains = save_cells(runs, memcpy)
+        rows.append(f"| {method} | {runs[0]['bytes'] / 1e9:.2f} GB | {firsts} | {later} | {durable} | {trains} |")
     return "\n".join(rows) + f"\n\nmemcpy of the saved bytes: {memcpy:.3f} s"
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--saves", type=int, default=3, help="saves per trainer and round")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
-    p.add_argument("--out", default=None, help="keep the samples as JSON here")
-    p.add_argument("--render", default=None, help="print the table of a results file and exit")
-    a = p.parse_args(argv)
-    if rendered(a.render, table):
-        return
-    runs = in_rounds(METHODS, a.rounds, lambda method, root: one_run(method, a.layers, a.saves, root),
-                     lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s", "bench-hf-", a.root)
-    results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
-               "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
-    reported(results, a.out, table)
+    gpt2_saves_main(argv, __doc__, METHODS, one_run, table,
+                    lambda run: f"saves {[round(s, 3) for s in run['save_s']]} s", "bench-hf-")
 
 
 if __name__ == "__main__":

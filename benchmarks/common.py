@@ -6,6 +6,7 @@ machines are noisy: ratios against the limits are what carry over between runs.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -302,3 +303,53 @@ def stall_cell(samples: Sequence[float], memcpy_s: float) -> str:
     """A table cell: the median stall, as a multiple of a memcpy, and the range."""
     stall = statistics.median(samples)
     return f"{stall:.3f} s ({stall / memcpy_s:.1f}x memcpy; {min(samples):.3f}-{max(samples):.3f})"
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of a model's and its optimizer's tensors: what a checkpoint of them holds."""
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return nbytes + sum(v.numel() * v.element_size() for s in optimizer.state_dict()["state"].values()
+                        for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def committed_seconds(events: str) -> list[float]:
+    """Seconds from each save's call to its local commit, from a Checkpointer's event log."""
+    if not os.path.exists(events):
+        return []
+    with open(events) as f:
+        return [e["seconds"] for e in map(json.loads, f) if e.get("event") == "save_committed"
+                and e.get("tier") == "local"]
+
+
+def save_cells(runs: Sequence[dict[str, Any]], memcpy_s: float) -> tuple[str, str, str, str]:
+    """Table cells of one method's runs of a training loop that saves now and then: the
+    first saves' stalls, the later ones' (``stall_cell``), the median time to commit (or
+    "not fsync'd"), and each run's wall time."""
+    firsts = ", ".join(f"{r['save_s'][0]:.2f}" for r in runs) + " s"
+    later = stall_cell([s for r in runs for s in r["save_s"][1:]], memcpy_s)
+    committed = [s for r in runs for s in r["committed_s"]]
+    durable = f"{statistics.median(committed):.2f} s" if committed else "not fsync'd"
+    return firsts, later, durable, ", ".join(f"{r['train_s']:.1f}" for r in runs) + " s"
+
+
+def gpt2_saves_main(argv: list[str] | None, doc: str, methods: Sequence[str],
+                    run: Callable[[str, int, int, str], dict[str, Any]], table: Callable[[Any], str],
+                    said: Callable[[dict[str, Any]], str], prefix: str) -> None:
+    """The command line of a benchmark of GPT-2 training loops that save every 2 steps:
+    ``run(method, layers, saves, directory)`` for each method and round, a memcpy of the
+    saved bytes as the floor, the table printed (and the samples kept with ``--out``)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--saves", type=int, default=3, help="saves per method and round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
+    p.add_argument("--out", default=None, help="keep the samples as JSON here")
+    p.add_argument("--render", default=None, help="print the table of a results file and exit")
+    a = p.parse_args(argv)
+    if rendered(a.render, table):
+        return
+    runs = in_rounds(methods, a.rounds, lambda method, root: run(method, a.layers, a.saves, root), said, prefix,
+                     a.root)
+    results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
+               "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
+    reported(results, a.out, table)
