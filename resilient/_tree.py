@@ -232,6 +232,10 @@ def _remedy(obj: Any) -> str:
                 "generator), and restored into the same object; not inside a state_dict()")
     if type(obj).__module__ == "numpy":
         return "store value.item() (a Python value, restored as one), or value.tolist()"
+    if isinstance(obj, torch.utils.data.DataLoader):
+        return ("a DataLoader keeps no position to save: torchdata's StatefulDataLoader takes its place with the "
+                "same arguments and is saved and restored where it was (a shuffled order too); or store the "
+                "epoch and the batch index, and skip to them")
     for kinds, instead in _INSTEAD:
         if isinstance(obj, kinds):
             return f"store {instead}"

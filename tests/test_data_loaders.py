@@ -80,6 +80,13 @@ def test_a_restored_loader_gives_the_batches_and_random_numbers_of_the_uninterru
     assert _steps(resumed_loader, 3 * EPOCH, start=save_at) == uninterrupted[save_at:]
 
 
+def test_a_plain_dataloader_is_refused_naming_what_keeps_a_position(tmp_path):
+    loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, shuffle=True)
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt, pytest.raises(UnsupportedStateError) as err:
+        ckpt.save(1, {"loader": loader}, force=True)
+    assert "state['loader']" in str(err.value) and "StatefulDataLoader" in str(err.value), err.value
+
+
 def test_an_accelerate_loader_without_its_state_is_refused_naming_the_setting(tmp_path):
     loader = _accelerate_loader(stateful=False)
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt, pytest.raises(UnsupportedStateError) as err:
