@@ -19,13 +19,16 @@ whether a resumed run then sees what an uninterrupted one would have:
   holds ``{"epoch", "position"}``, and a restore sets both (``set_epoch``); saved at an
   epoch's end, the next epoch starts afresh, its iterator made at the first batch as in
   the uninterrupted run.
-* **The number of processes, with accelerate.** Each process of ``DataLoaderShard`` takes
-  every N-th batch of the epoch; its position counts the batches it took. Restored at
-  another number of processes (a resized gang) as it was, it went back or forward in the
-  epoch (two processes 8 batches in, 16 of the epoch's batches, became one process 8
-  batches in). So the checkpoint holds the number too, and the position is rescaled to the
-  same point of the epoch; where that point falls between two steps of the new gang, to
-  the step before it (a batch or two seen again, none skipped), with a warning.
+* **The number of processes**, where each process takes its share of every epoch: the
+  processes of accelerate's ``DataLoaderShard`` take every N-th batch, those of a
+  ``DistributedSampler`` every N-th sample of the same shuffled order. The position counts
+  the batches this process took: restored by another number of processes (a resized gang)
+  as it was, it went back or forward in the epoch (two processes 8 batches in, 16 of the
+  epoch's batches, became one process 8 batches in). So the checkpoint holds the number
+  too, and the position is rescaled to the same point of the epoch; where that point falls
+  between two steps of the new gang, to the step before it (a batch or two seen again, none
+  skipped), with a warning. (A ``DistributedSampler``'s epoch is the program's to keep, as
+  it is the program's to set.)
 
 The shuffled order comes back only from accelerate's ``SeedableRandomSampler``
 (``use_seedable_sampler=True``: the order is its seed and the epoch). The default
@@ -79,17 +82,31 @@ def _make_resumed_iterator(loader: Any) -> None:
 
 
 class _StatefulLoader:
-    """torchdata's StatefulDataLoader: its own state, its resumed iterator made at restore."""
+    """torchdata's StatefulDataLoader: its own state (over a DistributedSampler, with the
+    number of processes: ``{"position", "processes"}``), its resumed iterator made at restore."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
 
     def state_dict(self) -> Any:
-        return self.loader.state_dict()
+        replicas = _replicas(self.loader)
+        position = self.loader.state_dict()
+        return position if replicas is None else {POSITION: position, PROCESSES: replicas}
 
     def load_state_dict(self, state: Any) -> None:
+        if isinstance(state, dict) and set(state) == {POSITION, PROCESSES}:
+            now = _replicas(self.loader) or 1
+            state = state[POSITION] if state[PROCESSES] == now else _rescaled(state[POSITION], state[PROCESSES], now)
         self.loader.load_state_dict(state)
         _make_resumed_iterator(self.loader)
+
+
+def _replicas(loader: Any) -> int | None:
+    """The number of processes sharing each epoch of ``loader`` through its
+    DistributedSampler (None without one)."""
+    sampler = getattr(loader, "sampler", None)
+    distributed = _class("torch.utils.data.distributed", "DistributedSampler")
+    return int(sampler.num_replicas) if distributed is not None and isinstance(sampler, distributed) else None
 
 
 class _AcceleratedLoader(_StatefulLoader):
@@ -147,17 +164,25 @@ def _processes() -> int:
 
 def _rescaled(position: Any, saved_by: int, now: int) -> Any:
     """``position`` of one of ``saved_by`` processes as the same point of the epoch for one
-    of ``now`` (see the module's text); as it was, with a warning, where it cannot be."""
+    of ``now`` (see the module's text); as it was, with a warning, where it cannot be. The
+    counts are the batches this process took, and, where torchdata's batch sampler keeps
+    its own (``_sampler_iter_state``), the samples it took."""
     counts = [position.get(name) if isinstance(position, dict) else None for name in _COUNTS]
-    if any(not isinstance(c, int) for c in counts) or position.get("_index_sampler_state") is not None:
-        log.warning("resilient: a data loader prepared by accelerate was saved by %d processes and is restored "
+    sampler_state = position.get("_sampler_iter_state") if isinstance(position, dict) else None
+    samples = sampler_state.get("samples_yielded") if isinstance(sampler_state, dict) else None
+    own_state = sampler_state is not None and not (set(sampler_state) == {"samples_yielded"}
+                                                   and isinstance(samples, int))
+    if any(not isinstance(c, int) for c in counts) or position.get("_index_sampler_state") is not None or own_state:
+        log.warning("resilient: a data loader was saved by %d processes and is restored "
                     "by %d; its position is not one resilient can carry over (a sampler with a state of its own), "
                     "so each process resumes %s batches into the epoch as saved", saved_by, now, counts[0])
         return position
-    taken = [count * saved_by for count in counts]  # batches of the epoch that the processes had taken
-    each, over = divmod(taken[0], now)
+    each, over = divmod(counts[0] * saved_by, now)  # the epoch's batches the processes had taken, shared anew
     if over:
-        log.warning("resilient: a data loader prepared by accelerate was saved by %d processes, %d batches into "
+        log.warning("resilient: a data loader was saved by %d processes, %d batches into "
                     "the epoch, and is restored by %d: each resumes %d batches in, the step before that point "
-                    "(%d batch(es) seen again, none skipped)", saved_by, taken[0], now, each, over)
-    return {**position, **{name: count // now for name, count in zip(_COUNTS, taken)}}
+                    "(%d batch(es) seen again, none skipped)", saved_by, counts[0] * saved_by, now, each, over)
+    rescaled = {**position, **{name: count * saved_by // now for name, count in zip(_COUNTS, counts)}}
+    if samples is not None:  # as many samples as the batches now taken hold
+        rescaled["_sampler_iter_state"] = {"samples_yielded": samples * each // counts[0] if counts[0] else 0}
+    return rescaled

@@ -5,6 +5,7 @@ its middle and after it; ``examples/accelerate_train.py`` on two ranks under
 ``resilient-run``, SIGKILLed in its second epoch, ends bit for bit where the uninterrupted
 run does, and resumed on one rank goes on from the same point of the epoch."""
 
+import json
 import logging
 import os
 import shutil
@@ -16,7 +17,7 @@ import torch
 
 from resilient import Checkpointer, UnsupportedStateError
 
-from .launch import REPO
+from .launch import REPO, run_ranks
 
 pytest.importorskip("torchdata")
 accelerate = pytest.importorskip("accelerate")
@@ -80,6 +81,25 @@ def test_a_restored_loader_gives_the_batches_and_random_numbers_of_the_uninterru
     assert _steps(resumed_loader, 3 * EPOCH, start=save_at) == uninterrupted[save_at:]
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_distributed_samplers_loader_resumed_by_another_number_of_ranks_takes_the_rest_of_the_epoch(
+        tmp_path, world):
+    """Two ranks take 6 batches each (48 of the epoch's 96 samples) and save; 1 or 3 ranks
+    restore and take the rest: every sample once. Before, each restored rank went on 6 of
+    its own batches in: 24 samples seen again on one rank, 24 skipped on three."""
+    root, out = str(tmp_path / "ckpt"), str(tmp_path)
+    run_ranks("distributed_sampler_position", 2, {"root": root, "out": out, "save": True, "batches": 6},
+              env={"FORCE_DIST": "1"})
+    run_ranks("distributed_sampler_position", world, {"root": root, "out": out, "save": False},
+              env={"FORCE_DIST": "1"})
+    taken = []
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".json"):
+            with open(os.path.join(out, name)) as f:
+                taken += json.load(f)
+    assert sorted(taken) == list(range(96)), sorted(taken)
+
+
 def test_a_plain_dataloader_is_refused_naming_what_keeps_a_position(tmp_path):
     loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, shuffle=True)
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt, pytest.raises(UnsupportedStateError) as err:
@@ -115,6 +135,8 @@ def test_a_position_restored_by_another_number_of_processes_is_the_same_point_of
     position = {"_sampler_iter_yielded": 8, "_num_yielded": 8, "_index_sampler_state": None, "other": 1}
     assert _rescaled(position, 2, 1) == {**position, "_sampler_iter_yielded": 16, "_num_yielded": 16}
     assert _rescaled(position, 2, 4) == {**position, "_sampler_iter_yielded": 4, "_num_yielded": 4}
+    counted = {**position, "_sampler_iter_state": {"samples_yielded": 32}}  # torchdata's batch sampler's own count
+    assert _rescaled(counted, 2, 1)["_sampler_iter_state"] == {"samples_yielded": 64}
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="resilient"):
         assert _rescaled(position, 2, 3)["_sampler_iter_yielded"] == 5  # 16 batches: the step before, 15

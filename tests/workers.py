@@ -544,10 +544,38 @@ def preemption_seen_by_one_rank(a: dict) -> None:
     raise AssertionError("the preempted save did not end the process")
 
 
+def distributed_sampler_position(a: dict) -> None:
+    """A StatefulDataLoader over a DistributedSampler, as a DDP loop holds one: each rank
+    takes ``a["batches"]`` batches of the epoch and saves (``a["save"]``), or restores and
+    takes the rest of the epoch. Each rank writes the sample ids it took to
+    ``<a["out"]>/<saved|resumed>-<rank>.json``."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    rank, _ = init()
+    data = torch.utils.data.TensorDataset(torch.arange(96))
+    sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=sampler)
+    taken: list[int] = []
+    with Checkpointer(a["root"]) as ckpt:
+        if a["save"]:
+            batches = iter(loader)
+            for _ in range(a["batches"]):
+                taken += next(batches)[0].tolist()
+            ckpt.save(1, {"loader": loader}, force=True)
+        else:
+            assert ckpt.restore({"loader": loader}) == 1
+            for (ids,) in loader:
+                taken += ids.tolist()
+    with open(os.path.join(a["out"], f"{'saved' if a['save'] else 'resumed'}-{rank}.json"), "w") as f:
+        json.dump(taken, f)
+
+
 SCENARIOS = {f.__name__: f for f in (preemption_seen_by_one_rank, harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
                                      remote_refused,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore, saves_on_own_nodes,
-                                     stateful_dataloader_per_rank, replicated_save, replicated_restore,
+                                     stateful_dataloader_per_rank, distributed_sampler_position,
+                                     replicated_save, replicated_restore,
                                      recycled_saves, rng_per_rank_save, rng_per_rank_restore, placements_refused)}
 
 def finish_scenario() -> None:
