@@ -94,7 +94,7 @@ class _StatefulLoader:
         return position if replicas is None else {POSITION: position, PROCESSES: replicas}
 
     def load_state_dict(self, state: Any) -> None:
-        if isinstance(state, dict) and set(state) == {POSITION, PROCESSES}:
+        if isinstance(state, dict) and POSITION in state and PROCESSES in state:  # (an accelerate loader's too)
             now = _replicas(self.loader) or 1
             state = state[POSITION] if state[PROCESSES] == now else _rescaled(state[POSITION], state[PROCESSES], now)
         self.loader.load_state_dict(state)
