@@ -95,8 +95,7 @@ class _StatefulLoader:
 
     def load_state_dict(self, state: Any) -> None:
         if isinstance(state, dict) and POSITION in state and PROCESSES in state:  # (an accelerate loader's too)
-            now = _replicas(self.loader) or 1
-            state = state[POSITION] if state[PROCESSES] == now else _rescaled(state[POSITION], state[PROCESSES], now)
+            state = _position_for(state, _replicas(self.loader) or 1)
         self.loader.load_state_dict(state)
         _make_resumed_iterator(self.loader)
 
@@ -126,17 +125,14 @@ class _AcceleratedLoader(_StatefulLoader):
             self.loader.load_state_dict(state)  # the loader's own state, as saved before its epoch was kept
             _make_resumed_iterator(self.loader.base_dataloader)
             return
-        position, epoch = state[POSITION], state[EPOCH]
-        if isinstance(position, dict) and position.get("_iterator_finished"):
+        epoch = _whole(state, EPOCH, least=0)
+        if isinstance(state[POSITION], dict) and state[POSITION].get("_iterator_finished"):
             # saved at the epoch's last batch: the next epoch from its start, its iterator
             # made (and its seed drawn) at its first batch, as the uninterrupted run made it
             self.loader.load_state_dict({})
             epoch += 1
         else:
-            saved_by, now = state.get(PROCESSES, _processes()), _processes()
-            if saved_by != now:
-                position = _rescaled(position, saved_by, now)
-            self.loader.load_state_dict(position)
+            self.loader.load_state_dict(_position_for(state, _processes()))
             _make_resumed_iterator(self.loader.base_dataloader)
         self.loader.set_epoch(epoch)
 
@@ -160,6 +156,21 @@ class _AcceleratedLoader(_StatefulLoader):
 def _processes() -> int:
     state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
     return int(state().num_processes) if state is not None else 1
+
+
+def _whole(state: dict[str, Any], name: str, least: int) -> int:
+    """``state[name]``, a whole number of at least ``least``; else the checkpoint is refused,
+    naming the field (a checkpoint is input, and may have been made by anyone)."""
+    value = state[name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"the data loader's saved {name} is {value!r}, not a whole number of at least {least}")
+    return value
+
+
+def _position_for(state: dict[str, Any], now: int) -> Any:
+    """The saved position, rescaled for ``now`` processes when saved by another number."""
+    saved_by = _whole(state, PROCESSES, least=1) if PROCESSES in state else now
+    return state[POSITION] if saved_by == now else _rescaled(state[POSITION], saved_by, now)
 
 
 def _rescaled(position: Any, saved_by: int, now: int) -> Any:

@@ -100,6 +100,26 @@ def test_a_distributed_samplers_loader_resumed_by_another_number_of_ranks_takes_
     assert sorted(taken) == list(range(96)), sorted(taken)
 
 
+@pytest.mark.parametrize("field, value", [("epoch", -1), ("epoch", "3"), ("processes", 0), ("processes", True)])
+def test_a_loaders_saved_epoch_or_process_count_out_of_range_is_refused_by_name(tmp_path, field, value):
+    """A checkpoint is input: a loader's state whose epoch or number of processes no run
+    could have saved is refused, naming the entry and the field, before the loader is set."""
+    from resilient import StateError
+    from resilient._loaders import loader_adapter
+
+    loader = _accelerate_loader()
+    batches = iter(loader)
+    next(batches), next(batches)
+    saved = loader_adapter(loader).state_dict()  # what a save holds, with one field changed
+    saved[field] = value
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root) as ckpt:
+        ckpt.save(2, {"loader": saved}, force=True)
+    with Checkpointer(root) as ckpt, pytest.raises(StateError) as err:
+        ckpt.restore({"loader": _accelerate_loader()})
+    assert "'loader'" in str(err.value) and f"saved {field} is {value!r}" in str(err.value), err.value
+
+
 def test_a_plain_dataloader_is_refused_naming_what_keeps_a_position(tmp_path):
     loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, shuffle=True)
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt, pytest.raises(UnsupportedStateError) as err:
