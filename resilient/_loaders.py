@@ -7,7 +7,7 @@ whether a resumed run then sees what an uninterrupted one would have:
   generator (``DataLoader``'s base seed, for its workers). The uninterrupted run drew it as
   the epoch began; a resumed run drew it at its first batch, after the restore had set the
   generators as they were at the save: every random number after that was one draw off (a
-  dropout mask, an augmentation), though the batches were right. So a restore makes the
+  dropout mask, an augmentation made in the main process), though the batches were right. So a restore makes the
   resumed iterator at once (``state_dict`` does, torchdata's way of keeping one), and the
   generators are set after it (``Checkpointer.restore`` applies them after the state).
 * **The epoch, with accelerate.** ``Accelerator.prepare(loader)`` (with
