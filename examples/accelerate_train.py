@@ -24,7 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from resilient import Checkpointer
 
 
-class TokenData(torch.utils.data.Dataset):
+class RegressionPairs(torch.utils.data.Dataset):
     """Fixed random regression pairs: the same data on every run."""
 
     def __init__(self, n: int = 512, width: int = 32) -> None:
@@ -41,7 +41,7 @@ class TokenData(torch.utils.data.Dataset):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", required=True, help="checkpoint root (accelerate's project_dir with --plain)")
+    p.add_argument("--dir", required=True, help="checkpoint root (a directory, or an fsspec URL)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=8, help="checkpoint every N steps")
     p.add_argument("--width", type=int, default=256, help="hidden width")
@@ -57,13 +57,13 @@ def main(argv: list[str] | None = None) -> None:
                                 torch.nn.Linear(a.width, 1))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 10))
-    loader = torch.utils.data.DataLoader(TokenData(), batch_size=16, shuffle=True)
+    loader = torch.utils.data.DataLoader(RegressionPairs(), batch_size=16, shuffle=True)
     model, optim, loader, sched = accelerator.prepare(model, optim, loader, sched)
 
     # the three lines: the state, restore, save
     state = {"model": model, "optim": optim, "sched": sched, "data": loader}
     with Checkpointer(a.dir, every=a.every) as ckpt:
-        step = ckpt.restore(state)
+        step, loss = ckpt.restore(state), None
         if accelerator.is_main_process:
             print(f"{'resumed at step ' + str(step) if step else 'starting fresh'} "
                   f"on {accelerator.num_processes} process(es)", flush=True)
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                 if accelerator.is_main_process:
                     print(f"epoch {loader.iteration - 1} ended at step {step}", flush=True)
         if accelerator.is_main_process:
-            print(f"trained to step {step}, loss {loss.item():.6f}", flush=True)
+            said = f", loss {loss.item():.6f}" if loss is not None else " (it had been trained that far)"
+            print(f"trained to step {step}{said}", flush=True)
     if a.out and accelerator.is_main_process:
         torch.save({k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}, a.out)
     accelerator.wait_for_everyone()
