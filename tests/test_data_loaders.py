@@ -5,6 +5,7 @@ its middle and after it; ``examples/accelerate_train.py`` on two ranks under
 ``resilient-run``, SIGKILLed in its second epoch, ends bit for bit where the uninterrupted
 run does, and resumed on one rank goes on from the same point of the epoch."""
 
+import contextlib
 import json
 import logging
 import os
@@ -52,7 +53,8 @@ def _steps(loader, until: int, start: int = 0, save_at: int | None = None, root:
     """(batch, the step's random number) of each step from ``start`` to ``until``, epoch
     after epoch; with ``save_at``, the loader is checkpointed (generators too) at that step."""
     seen, step = [], start
-    with Checkpointer(root or "unused", every=10**9) as ckpt:
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(Checkpointer(root)) if root is not None else None
         while step < until:
             for (batch,) in loader:
                 step += 1
