@@ -146,6 +146,8 @@ class Flattened:
                 raise UnsupportedStateError(f"state[{path!r}]: two entries map to this name")
             self.tensors[path] = obj
             return {"t": "tensor", "name": path}
+        if type(obj) in _PLAIN:  # the commonest leaf (a log's numbers), before the checks objects need
+            return {"t": "v", "v": obj}
         if isinstance(obj, PerRank):
             raise UnsupportedStateError(
                 f"state[{path!r}]: PerRank must wrap a top-level entry of the state "
@@ -242,6 +244,9 @@ def _remedy(obj: Any) -> str:
     return ("store tensors, numbers, strings, lists and dicts, or an object with "
             "state_dict()/load_state_dict()")
 
+
+#: JSON's own kinds, exactly (a subclass goes through every check, as an object may)
+_PLAIN = frozenset(SCALARS)
 
 #: the plain value that keeps each of these whole, for the error that refuses them: values
 #: a config or a sampler holds, which torch.save pickled
