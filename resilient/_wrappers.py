@@ -21,8 +21,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ._loaders import loader_adapter
 from ._generators import stateful_generator
+from ._loaders import loader_adapter
 
 __all__ = ["state_holder", "adapter_for"]
 
