@@ -96,8 +96,16 @@ class _StatefulLoader:
     def load_state_dict(self, state: Any) -> None:
         if isinstance(state, dict) and POSITION in state and PROCESSES in state:  # (an accelerate loader's too)
             state = _position_for(state, _replicas(self.loader) or 1)
-        self.loader.load_state_dict(state)
-        _make_resumed_iterator(self.loader)
+        self._resume_at(state)
+
+    def _resume_at(self, position: Any) -> None:
+        """The loader at ``position``, its resumed iterator made now (``_make_resumed_iterator``)."""
+        self.loader.load_state_dict(position)
+        _make_resumed_iterator(self._torchdata())
+
+    def _torchdata(self) -> Any:
+        """The StatefulDataLoader itself (accelerate's loader wraps one)."""
+        return self.loader
 
 
 def _replicas(loader: Any) -> int | None:
@@ -122,8 +130,7 @@ class _AcceleratedLoader(_StatefulLoader):
 
     def load_state_dict(self, state: Any) -> None:
         if not isinstance(state, dict) or not {EPOCH, POSITION} <= set(state):
-            self.loader.load_state_dict(state)  # the loader's own state, as saved before its epoch was kept
-            _make_resumed_iterator(self.loader.base_dataloader)
+            self._resume_at(state)  # the loader's own state, as saved before its epoch was kept
             return
         epoch = _whole(state, EPOCH, least=0)
         if isinstance(state[POSITION], dict) and state[POSITION].get("_iterator_finished"):
@@ -132,9 +139,11 @@ class _AcceleratedLoader(_StatefulLoader):
             self.loader.load_state_dict({})
             epoch += 1
         else:
-            self.loader.load_state_dict(_position_for(state, _processes()))
-            _make_resumed_iterator(self.loader.base_dataloader)
+            self._resume_at(_position_for(state, _processes()))
         self.loader.set_epoch(epoch)
+
+    def _torchdata(self) -> Any:
+        return self.loader.base_dataloader
 
     def _warn_if_unordered(self) -> None:
         """Once a loader: a shuffle whose order a restore cannot bring back."""
