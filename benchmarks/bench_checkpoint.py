@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from benchmarks.common import (GB, PeakRSS, drop_cache, mean_or_nan, mean_step_seconds, memcpy_seconds,
                                probe_block, read_range_seconds, rendered, settle_memory, step_samples,
-                               write_file)
+                               worker_results, write_file)
 
 N_PARAMS = 26
 RESILIENT = {"resilient": {"direct_io": True}, "resilient(buffered)": {"direct_io": False}}  # name: its options
@@ -495,8 +495,6 @@ def _check_free_space(base: str, gb: float, methods: int) -> None:
 
 def _run_cells(base: str, sizes: list[float], worlds: list[int], methods: list[str],
                a: argparse.Namespace) -> list[dict[str, Any]]:
-    from tests.launch import finish, start_ranks
-
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     for gb in sizes:
@@ -508,15 +506,9 @@ def _run_cells(base: str, sizes: list[float], worlds: list[int], methods: list[s
                 args = {"gb": gb, "layout": layout, "methods": runnable, "root": os.path.join(base, "ck"),
                         "slowdown": world == 1, "rounds": a.rounds,
                         "saves": a.saves, "restores": a.restores}
-                threads = max(1, (os.cpu_count() or 1) // world)
-                procs = start_ranks("worker", world, args, module="benchmarks.bench_checkpoint",
-                                    env={"OMP_NUM_THREADS": str(threads)})
-                per_rank = []
-                for r in finish(procs, timeout=3600):
-                    line = [ln for ln in r.output.splitlines() if ln.startswith("RESULT ")]
-                    if r.returncode != 0 or not line:
-                        sys.exit(f"worker rank {r.rank} failed ({r.returncode}):\n{r.output[-4000:]}")
-                    per_rank.append(json.loads(line[0][7:]))
+                per_rank = worker_results("benchmarks.bench_checkpoint", world, args)
+                if None in per_rank:
+                    sys.exit(f"worker rank {per_rank.index(None)} reported no result")
                 cell = summarize(per_rank, gb, world, layout, runnable)
                 print(_limits_line(cell[0]) + f" ({(time.monotonic() - started) / 60:.0f} min in)", flush=True)
                 for row in cell:

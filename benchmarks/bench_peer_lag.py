@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _rotated, _timed_together, build_state, zero_state
-from benchmarks.common import GB, drop_cache, read_range_seconds, rendered
+from benchmarks.common import GB, drop_cache, read_range_seconds, rendered, worker_results
 from resilient._restore import SHARED_PIECE_BYTES
 
 READ = "cold read"
@@ -95,18 +95,10 @@ def _read_span(files: list[str], lo: int, hi: int) -> None:
 
 
 def run_cell(gb: float, world: int, lags: list[str], rounds: int, layout: str) -> dict[str, Any]:
-    from tests.launch import finish, start_ranks
-
     root = tempfile.mkdtemp(prefix="resilient-peer-lag-")
     try:
         args = {"gb": gb, "root": os.path.join(root, "ck"), "lags": lags, "rounds": rounds, "layout": layout}
-        procs = start_ranks("worker", world, args, module="benchmarks.bench_peer_lag",
-                            env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))})
-        samples = None
-        for r in finish(procs, timeout=1800):
-            if r.returncode != 0:
-                sys.exit(f"rank {r.rank} failed ({r.returncode}):\n{r.output[-4000:]}")
-            samples = next((json.loads(ln[7:]) for ln in r.output.splitlines() if ln.startswith("RESULT ")), samples)
+        samples = worker_results("benchmarks.bench_peer_lag", world, args, timeout=1800)[0]  # rank 0 prints
     finally:
         shutil.rmtree(root, ignore_errors=True)
     assert samples is not None

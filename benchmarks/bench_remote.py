@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _barrier, _on_rank0, _rotated, _timed_together, build_state, zero_state
-from benchmarks.common import GB, mean_step_seconds, rendered
+from benchmarks.common import GB, mean_step_seconds, rendered, worker_results
 from resilient.devservices import free_port
 
 PLAIN, PLAIN_RANGES, RESILIENT, DCP = "plain get", "plain ranged gets", "resilient", "dcp.load (FsspecReader)"
@@ -161,8 +161,6 @@ def main() -> None:
         return
     from moto.server import ThreadedMotoServer
 
-    from tests.launch import finish, start_ranks
-
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -177,15 +175,12 @@ def main() -> None:
                 tag = f"{world}-{uuid.uuid4().hex[:6]}"
                 args = {"gb": a.gb, "rounds": a.rounds, "options": opts, "bucket": "bench", "work": work,
                         "url": f"s3://bench/run-{tag}", "dcp_url": f"s3://bench/dcp-{tag}"}
-                results = finish(start_ranks("worker", world, args, module="benchmarks.bench_remote",
-                                             env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}),
-                                 timeout=1800)
+                results = worker_results("benchmarks.bench_remote", world, args, timeout=1800)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-            lines = [ln for r in results for ln in r.output.splitlines() if ln.startswith("RESULT ")]
-            if len(lines) != world or any(r.returncode for r in results):
-                sys.exit("\n".join(f"rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in results))
-            rows.append(json.loads(lines[0][7:]))  # rank 0's: every timing is already the slowest rank's
+            if None in results:
+                sys.exit(f"worker rank {results.index(None)} reported no result")
+            rows.append(results[0])  # rank 0's: every timing is already the slowest rank's
             print(_rows(rows[-1]), flush=True)
             if a.json:
                 with open(a.json, "w") as f:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -99,7 +100,10 @@ def drop_cache(path: str) -> None:
     """Evict a file (or every file under a directory) from the page cache: the next read is cold."""
     paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:  # a file being recycled or removed in the background meanwhile
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -198,11 +202,19 @@ def read_range_seconds(path: str, start: int, end: int, threads: int = 1, block:
     return time.perf_counter() - t
 
 
-def disk_seconds(directory: str, nbytes: int) -> tuple[float, float]:
-    """(sequential write + fsync, cold sequential read) seconds for ``nbytes`` in ``directory``."""
+def disk_seconds(directory: str, nbytes: int, in_place: bool = False) -> tuple[float, float]:
+    """(sequential write + fsync, cold sequential read) seconds for ``nbytes`` in ``directory``.
+
+    ``in_place``: the write is the faster of a new file and an overwrite of it in place,
+    each with direct I/O where the file system takes it: the limit of a writer that reuses
+    its files, as resilient's do (this disk allocates a new file's blocks slowly)."""
     path = os.path.join(directory, "disk-probe.bin")
     try:
         write = write_file(path, nbytes)
+        if in_place:
+            direct = write_file(path, nbytes, direct=True)
+            overwrite = write_file(path, nbytes, direct=direct != float("inf"), in_place=True)
+            write = min(write, direct, overwrite)
         drop_cache(path)
         return write, read_range_seconds(path, 0, nbytes)
     finally:
@@ -353,3 +365,21 @@ def gpt2_saves_main(argv: list[str] | None, doc: str, methods: Sequence[str],
     results = {"layers": a.layers, "saves": a.saves, "rounds": a.rounds, "runs": runs,
                "memcpy_s": memcpy_seconds(runs[0]["bytes"])}
     reported(results, a.out, table)
+
+
+def worker_results(module: str, world: int, args: dict[str, Any], timeout: float = 3600) -> list[Any]:
+    """Runs ``module``'s ``worker`` on ``world`` gloo ranks (``tests.launch``, each with its
+    share of the cores as torch threads) and returns what each rank printed after
+    ``RESULT `` as JSON (None for a rank that printed nothing); a rank that failed ends the
+    benchmark with its output."""
+    from tests.launch import finish, start_ranks
+
+    threads = max(1, (os.cpu_count() or 1) // world)
+    results = []
+    for r in finish(start_ranks("worker", world, args, module=module, env={"OMP_NUM_THREADS": str(threads)}),
+                    timeout=timeout):
+        if r.returncode != 0:
+            sys.exit(f"worker rank {r.rank} failed ({r.returncode}):\n{r.output[-4000:]}")
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
+    return results

@@ -274,7 +274,8 @@ class Checkpointer:
         self.strict = strict
         # counters an operator (or a metrics exporter) reads; updated by background threads
         self.stats = {"saves_committed": 0, "saves_failed": 0, "bytes_staged": 0,
-                      "staging_wait_s": 0.0}  # how long optimizer steps waited for overlapped copies
+                      "staging_wait_s": 0.0,  # how long optimizer steps waited for overlapped copies
+                      "bytes_restored": 0}  # saved tensors' bytes restores loaded into this rank's state
         self._save_policy = save_policy(every, every_seconds)
         self._keep = retention_policy(keep)
         self._keep_remote = retention_policy(keep_remote, "keep_remote")
@@ -1081,7 +1082,7 @@ class Checkpointer:
                 with gc_paused():
                     manifest = self._tier.read_manifest(step)
                     touched = loaded_here = True
-                    saved_rng = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank,
+                    saved_rng, loaded = load_checkpoint(state, manifest, self._tier.step_dir(step), coord.rank,
                                                 coord.world_size, self._read_pool, strict=strict, coord=coord,
                                                 rng=self.rng)
                     manifest = None
@@ -1128,12 +1129,13 @@ class Checkpointer:
                 continue
             if rng is not None:
                 apply_rng(rng)
+            self.stats["bytes_restored"] += loaded
             self._restored_step = step
             self._staging_prepared = False  # the restored state's layout, at the next save() not due
             self._reported_first_step = False
             self._order_checked = False  # a rollback's first save looks again
             self._events.emit("restored", step=step, seconds=round(time.perf_counter() - started, 6),
-                              source=fetched_steps.get(step, "local"))
+                              source=fetched_steps.get(step, "local"), bytes=loaded)
             return step
 
     def _mark_bad(self, step: int, reason: str, *, remote_too: bool) -> None:

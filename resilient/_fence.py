@@ -29,6 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._per_rank import PerRank
+from ._zero import is_zero
 
 __all__ = ["CopyProgress", "SnapshotDone", "StagingFence", "StagingTornError", "optimizer_storages", "open_all", "STAGING_MODES"]
 
@@ -59,7 +60,9 @@ def optimizer_storages(state: Mapping[str, Any]) -> set[int]:
         for group in inner.param_groups:
             for param in group["params"]:
                 storages.add(_storage_of(param))
-        for per_param in inner.state.values():
+        # a ZeRO optimizer's state is its local optimizer's, whose step runs inside its own
+        states = [inner.state] + ([inner.optim.state] if is_zero(inner) else [])
+        for per_param in (value for state_ in states for value in state_.values()):
             for tensor in per_param.values() if isinstance(per_param, dict) else ():
                 if isinstance(tensor, torch.Tensor):
                     storages.add(_storage_of(tensor))

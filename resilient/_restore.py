@@ -64,6 +64,7 @@ from ._saved_trees import partitioned_entries
 from ._tree import (build_value, child_path, flatten_target, is_stateful, per_rank_path, tensor_names,
                     without_plain_bytes)
 from ._wrappers import adapter_for, state_holder
+from ._zero import others_state, zero_class
 
 __all__ = ["load_checkpoint", "OtherRankFailed"]
 
@@ -392,8 +393,15 @@ class _Entry:
 
     def __init__(self, key: str, target: Any, sources: list[dict[str, Any]], reshard: Reshard | None) -> None:
         self.key, self.target, self.sources, self.reshard = key, target, sources, reshard
+        #: the program's object (a ZeRO optimizer), as ``inner`` may be its adapter
+        self.held = target.value if isinstance(target, PerRank) else target
         # of a module wrapper (torch.compile, DDP), the level whose keys were saved (``_wrappers``)
-        self.inner = state_holder(target.value if isinstance(target, PerRank) else target, _saved_keys(sources[0]))
+        self.inner = state_holder(self.held, _saved_keys(sources[0]))
+
+    def _class_name(self) -> str:
+        """The class of what loads the entry, as the program knows it: an adapter's object's
+        (``ZeroRedundancyOptimizer``, not the adapter), a wrapper's module's."""
+        return type(self.held if adapter_for(self.held) is not None else self.inner).__name__
 
     def apply(self, state: MutableMapping[str, Any], tensor: Callable[[str], torch.Tensor], rank: int,
               world_size: int, strict: bool, step: int) -> None:
@@ -401,7 +409,7 @@ class _Entry:
         with _refused_by(self.key, step, "its reshard rule"):
             value = self.reshard(values, rank, world_size) if self.reshard is not None else values[0]
         if self.sources[0]["t"] in ("obj", "dict") and is_stateful(self.inner):
-            with _refused_by(self.key, step, f"{type(self.inner).__name__}.load_state_dict"):
+            with _refused_by(self.key, step, f"{self._class_name()}.load_state_dict"):
                 if isinstance(self.inner, torch.nn.Module) and not strict:
                     self.inner.load_state_dict(value, strict=False)
                 else:
@@ -609,9 +617,10 @@ def load_checkpoint(
     strict: bool = True,
     coord: Coordinator | None = None,
     rng: bool = True,
-) -> dict[str, Any] | None:
-    """Load ``manifest``'s checkpoint into ``state``; return this rank's saved RNG state
-    (``rng=False``: None, and it is not read).
+) -> tuple[dict[str, Any] | None, int]:
+    """Load ``manifest``'s checkpoint into ``state``; return (this rank's saved RNG state,
+    or None with ``rng=False``, when it is not read; the bytes of saved tensors this rank
+    loaded into its state).
 
     ``strict=False`` restores what the state and the checkpoint have in common: entries or
     module tensors absent from the checkpoint keep their current values, saved entries the
@@ -695,7 +704,7 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         if joined and resized:
             _warn_if_values_differ(key, manifest, rank, world_size, partitioned[key][1])
         entries.append(entry)
-        optimizers = list(_held_in(entry.inner, path, entry.sources[0], torch.optim.Optimizer)) if path else []
+        optimizers = list(_held_in(entry.held, path, entry.sources[0], torch.optim.Optimizer)) if path else []
         if optimizers:
             # its load_state_dict replaces the whole state: a live tensor the checkpoint lacks
             # (LBFGS's history, longer now than when saved) goes, and is no missing key
@@ -721,6 +730,10 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                     raise StateError(f"key {module_path!r}: the checkpoint of step {step} has entries the module "
                                      f"lacks: {lacked[:5]}")
                 extra += lacked
+        zero = zero_class()
+        if path and zero is not None:  # a ZeRO optimizer reads its partition's state alone
+            for optim, optim_path, _ in _held_in(entry.held, path, entry.sources[0], zero):
+                extra += others_state(optim, optim_path, saved_names)
         if extra:
             saved_names -= set(extra)
             entry.sources = [_without(source, set(extra)) for source in entry.sources]
@@ -783,8 +796,9 @@ def _warn_nothing_matched(key: str, step: int, live: list[str], saved: list[str]
 def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], step_dir: str, rank: int,
                     world_size: int, pool: Executor, strict: bool,
                     plan: tuple[dict[str, "_Destination"], list["_Entry"], dict[str, Any]],
-                    sharing: _Sharing | None, rng: bool) -> dict[str, Any] | None:
-    """Phase 2 (read, verify, share) and the rebuild of the state."""
+                    sharing: _Sharing | None, rng: bool) -> tuple[dict[str, Any] | None, int]:
+    """Phase 2 (read, verify, share) and the rebuild of the state: (the saved RNG state, the
+    bytes loaded)."""
     destinations, entries, record = plan
     saved_rng = _SavedRngRead(record if rng else {})
     tensors_meta = manifest["tensors"]
@@ -836,7 +850,8 @@ def _read_and_apply(state: MutableMapping[str, Any], manifest: dict[str, Any], s
     with gc_paused():
         for entry in entries:
             entry.apply(state, lambda name: destinations[name].value, rank, world_size, strict, manifest["step"])
-    return saved_rng.state(step_dir)
+    loaded = sum(dest.buffer.numel() * dest.buffer.element_size() for dest in destinations.values())
+    return saved_rng.state(step_dir), loaded
 
 
 class _SavedRngRead:

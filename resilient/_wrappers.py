@@ -23,6 +23,7 @@ import torch
 
 from ._generators import stateful_generator
 from ._loaders import loader_adapter
+from ._zero import zero_adapter
 
 __all__ = ["state_holder", "adapter_for"]
 
@@ -63,10 +64,13 @@ def _levels(obj: Any) -> tuple[list[Any], list[str]]:
 
 def adapter_for(obj: Any) -> Any | None:
     """What gives and takes ``obj``'s state where the object's own ``state_dict`` cannot, or
-    not all of it: a random generator's (``_generators``), a data loader's (``_loaders``);
-    None for anything else."""
-    adapter = stateful_generator(obj)
-    return adapter if adapter is not None else loader_adapter(obj)
+    not all of it: a random generator's (``_generators``), a data loader's (``_loaders``), a
+    ZeRO optimizer's (``_zero``); None for anything else."""
+    for find in (stateful_generator, loader_adapter, zero_adapter):
+        adapter = find(obj)
+        if adapter is not None:
+            return adapter
+    return None
 
 
 def state_holder(obj: Any, saved_keys: Iterable[Any] | None = None) -> Any:

@@ -33,6 +33,7 @@ def test_saves_uploads_and_restores_are_logged_in_order(tmp_path):
         assert started < staged < local < remote
     restored = [e for e in events if e["event"] == "restored"]
     assert restored[0]["step"] == 2 and restored[0]["source"] == "remote" and restored[0]["seconds"] >= 0
+    assert restored[0]["bytes"] == 4000  # the 1000 floats of "w"
     staged = [e for e in events if e["event"] == "save_staged"][0]
     assert staged["bytes"] == 4000 and staged["stall_s"] > 0
     assert all(e["rank"] == 0 and isinstance(e["t"], float) for e in events)
