@@ -171,7 +171,9 @@ def _refuse_rank_dependent(descriptions: list[Description]) -> None:
             "one rank's copy back. Keep state that differs by rank in an entry wrapped in "
             "resilient.PerRank(...), or make it a DTensor; key an optimizer's state by parameter name "
             "(torch.distributed.checkpoint.state_dict.get_optimizer_state_dict) when ranks hold different "
-            "parameters (pipeline stages)"
+            "parameters (pipeline stages); under FSDP1 (FullyShardedDataParallel), whose optimizer holds flat "
+            "per-rank shards, save the model and optimizer through DCP's get_state_dict and set_state_dict, "
+            "the FSDP made with a device mesh (README: FSDP1)"
         )
 
 

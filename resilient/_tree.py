@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable
 from urllib.parse import quote
@@ -46,9 +47,15 @@ def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
     copy crashed the process, a meta tensor was "restored" by a copy that does nothing, and
     a wrapper subclass raised torch's "invalid python storage" naming nothing."""
     t = local_tensor(t)  # a DTensor: its local tensor, read directly
-    if (t.layout is torch.strided and not (t.is_nested or t.is_quantized or t.is_meta)
-            and type(t) in PLAIN_TYPES):
+    if (type(t) in PLAIN_TYPES and t.layout is torch.strided
+            and not (t.is_nested or t.is_quantized or t.is_meta)):
         return None  # the common case in one test: this runs for every tensor of every save
+    sharded = getattr(sys.modules.get("torch.distributed._shard.sharded_tensor.api"), "ShardedTensor", None)
+    if isinstance(sharded, type) and isinstance(t, sharded):  # before any attribute: each raises for it
+        return ("it is a ShardedTensor, as FSDP (FullyShardedDataParallel) made without a device mesh gives in "
+                "its sharded state dict (DCP's get_state_dict)",
+                "make it with FullyShardedDataParallel(..., device_mesh=init_device_mesh(...)), whose sharded "
+                "state dicts hold DTensors, which resilient saves and reshards, or use FSDP2 (fully_shard)")
     if t.is_nested:
         return "it is a nested tensor", "save its components (tensor.unbind()) instead"
     if t.is_sparse or t.layout != torch.strided:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -72,6 +73,13 @@ def build(mode: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+    elif mode == "fsdp1":  # FSDP1 (FullyShardedDataParallel) given a mesh: its sharded state is DTensors
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, device_mesh=init_device_mesh("cpu", (world,)),
+                                         auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
+                                         device_id=torch.device("cpu"))
     else:
         raise ValueError(mode)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -96,15 +104,23 @@ def train_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, first: int
 
 def data_parallel_position(model: torch.nn.Module, rank: int, world: int) -> tuple[int, int]:
     """(index, count) of this rank's data-parallel group: TP ranks see the same rows."""
-    mesh = next(model.parameters()).device_mesh
-    if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names:
+    mesh = getattr(next(model.parameters()), "device_mesh", None)  # (FSDP1's parameters are plain)
+    if mesh is not None and mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names:
         return rank // 2, world // 2
     return rank, world
 
 
 def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Parameters and optimizer state as plain full tensors keyed by parameter name."""
+    """Parameters and optimizer state as plain full tensors keyed by parameter name (FSDP1's
+    through DCP's ``get_state_dict``: its parameters are flat local shards)."""
     out: dict[str, torch.Tensor] = {}
+    if not hasattr(next(model.parameters()), "full_tensor"):
+        get_state_dict, _, options = reference_io("fsdp1")
+        model_sd, optim_sd = get_state_dict(model, optim, options=options)
+        out.update({name: t.detach().clone() for name, t in model_sd.items()})
+        out.update({f"{name}:{field}": t.detach().clone() for name, fields in optim_sd["state"].items()
+                    for field, t in fields.items()})
+        return out
     names = {id(p): n for n, p in model.named_parameters()}
     for n, p in model.named_parameters():
         out[n] = p.full_tensor().detach().clone()
@@ -116,7 +132,10 @@ def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str
 
 
 def placements_match(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-    """Every optimizer state tensor shaped like its parameter has the parameter's placement."""
+    """Every optimizer state tensor shaped like its parameter has the parameter's placement
+    (FSDP1's have none: its optimizer's state is the flat local shards its own code keeps)."""
+    if not hasattr(next(model.parameters()), "placements"):
+        return
     for p, st in optim.state.items():
         for field, value in st.items():
             if value.dim() == 0:
@@ -127,10 +146,13 @@ def placements_match(model: torch.nn.Module, optim: torch.optim.Optimizer) -> No
             assert value.to_local().shape == p.to_local().shape, (field, value.to_local().shape)
 
 
-def reference_io():
+def reference_io(mode: str = ""):
+    """DCP's full state dict functions and options. FSDP1's without ``cpu_offload``: torch
+    2.13's FSDP1 full state dict with it crashes in its own clone of a nested module's
+    parameter on a CPU (SIGSEGV in ``_state_dict_utils.param_hook``), resilient or not."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    return get_state_dict, set_state_dict, StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict, set_state_dict, StateDictOptions(full_state_dict=True, cpu_offload=mode != "fsdp1")
 
 
 class AppState:
@@ -169,7 +191,7 @@ def save(a: dict) -> None:
     train_steps(model, optim, 0, a["steps"])
     with Checkpointer(a["root"], keep=None) as ckpt:
         ckpt.save(a["steps"], _state(a, model, optim), force=True)
-    get_state_dict, _, options = reference_io()
+    get_state_dict, _, options = reference_io(a["mode"])
     model_sd, optim_sd = get_state_dict(model, optim, options=options)
     reference = {"model": model_sd, "optim": optim_sd, "full": full_state(model, optim)}
     if rank == 0:
@@ -208,7 +230,7 @@ def twin(a: dict, world: int, reference: dict, model: torch.nn.Module,
     if world == a["saved_world"]:
         train_steps(twin_model, twin_optim, 0, a["steps"])
     elif a["mode"] != "fsdp_tp":
-        _, set_state_dict, options = reference_io()
+        _, set_state_dict, options = reference_io(a["mode"])
         set_state_dict(twin_model, twin_optim, model_state_dict=reference["model"],
                        optim_state_dict=reference["optim"], options=options)
     else:
@@ -225,7 +247,33 @@ def compare(got: dict, want: dict, when: str) -> None:
             f"{when}: {key} differs by {(g.double() - w.double()).abs().max().item()}")
 
 
-SCENARIOS = {f.__name__: f for f in (save, resume)}
+def fsdp1_refused(a: dict) -> None:
+    """FSDP1 made without a device mesh: given as it is (its optimizer holds flat per-rank
+    shards), or through DCP's recipe (its sharded state dict then holds ShardedTensors):
+    each save is refused, naming what to do, before anything is written."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from resilient import UnsupportedStateError
+
+    rank, world = init()
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(Net(), device_id=torch.device("cpu"))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optim, 0, 1)
+    for how, state, says in (("as it is", {"model": model, "optim": optim}, "README: FSDP1"),
+                             ("through DCP's recipe", {"app": AppState(model, optim)}, "device_mesh=")):
+        with Checkpointer(a["root"]) as ckpt:
+            try:
+                ckpt.save(1, state, force=True)
+            except UnsupportedStateError as exc:
+                assert says in str(exc) and "FullyShardedDataParallel" in str(exc), exc
+                print(f"rank {rank}: {how}: refused: {exc}", flush=True)
+            else:
+                raise AssertionError(f"FSDP1 without a mesh, {how}, was saved")
+    assert not os.path.exists(a["root"]) or not [n for n in os.listdir(a["root"]) if n.startswith("step-")]
+
+
+SCENARIOS = {f.__name__: f for f in (save, resume, fsdp1_refused)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

@@ -63,6 +63,25 @@ def test_fsdp2_through_dcps_own_state_dict_recipe_resumes_at_another_world_size(
     resume(saved("fsdp", 2, appstate=True), 3)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp1_with_a_mesh_through_dcps_recipe_resumes_at_another_world_size(saved, world):
+    """FSDP1 (``FullyShardedDataParallel``, which many programs still use), made with a
+    device mesh, through DCP's ``get_state_dict``/``set_state_dict``: its sharded state
+    dicts hold DTensors, saved on 2 ranks and restored on 2 and 3, exact. (Without a mesh
+    they hold ShardedTensors, which are refused by name: the next test.)"""
+    resume(saved("fsdp1", 2, appstate=True), world)
+
+
+def test_fsdp1_without_a_mesh_is_refused_saying_what_to_do(tmp_path):
+    """Without a mesh, FSDP1's sharded state dict holds ShardedTensors (before: torch's own
+    "not supported for ShardedTensor" from deep inside the save), and its optimizer given as
+    it is holds flat shards that differ by rank: both refused, naming the fix."""
+    results = run_ranks("fsdp1_refused", 2, {"root": str(tmp_path / "ckpt")}, module="tests.fsdp_workers",
+                        env={"FORCE_DIST": "1"}, timeout=120)
+    for r in results:
+        assert r.output.count("refused") == 2, r.output[-2000:]
+
+
 @pytest.mark.parametrize("world", [4, 2])
 def test_hsdp_saved_by_4_resumes(saved, world):
     resume(saved("hsdp", 4), world)
