@@ -723,6 +723,12 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
         extra: list[str] = []
         if path and key in partitioned and targets:
             extra = sorted(saved_names - set(targets))
+            # an optimizer in it with no state yet holds no names to say which are its own:
+            # it keeps all it was saved with, as one at the top level does (before, a fresh
+            # ZeRO optimizer beside its model in one dict was restored with no state at all)
+            fresh = tuple(f"{optim_path}/" for _, optim_path, _ in optimizers
+                          if not any(name.startswith(f"{optim_path}/") for name in targets))
+            extra = [name for name in extra if not name.startswith(fresh)] if fresh else extra
         elif path:
             for _, module_path, _ in _held_in(entry.inner, path, entry.sources[0], torch.nn.Module):
                 lacked = sorted(n for n in saved_names - set(targets) if n.startswith(f"{module_path}/"))

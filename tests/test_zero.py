@@ -66,14 +66,16 @@ def test_a_zero_optimizer_saved_on_two_ranks_resumes_on_one_two_and_three(tmp_pa
     """Each rank writes its own part, copied while the next step runs (overlapped
     staging: the step waits for the copy); resumed at the same world size the next step is
     the uninterrupted run's bit for bit, and at 1 and 3 ranks (other partitions) the state is
-    ZeRO's consolidated one exactly, and the next step runs."""
-    root, out = str(tmp_path / "ckpt"), str(tmp_path)
-    _run("save", 2, {"root": root, "out": out, "staging": "overlap"})
+    ZeRO's consolidated one exactly, and the next step runs; the same saved under one
+    entry of the program's dict ({"train": {"model", "optim"}}), restored on 3."""
+    root, nested_root, out = str(tmp_path / "ckpt"), str(tmp_path / "nested"), str(tmp_path)
+    _run("save", 2, {"root": root, "out": out, "staging": "overlap", "nested_root": nested_root})
     expected = _load(out, "expected.pt")
     model_bytes = sum(p.numel() * p.element_size() for p in _model().parameters())
     optim_bytes = sum(t.numel() * t.element_size() for fields in expected["state"].values() for t in fields.values())
-    for world in (2, 1, 3):
-        _run("resume", world, {"root": root, "out": out})
+    for world in (2, 1, 3):  # at 3 from the state saved under one entry (a program's own dict)
+        _run("resume", world, {"root": nested_root, "nested": True, "out": out} if world == 3 else
+             {"root": root, "out": out})
         _assert_same_state(_load(out, f"restored-{world}.pt"), expected, f"restored on {world} rank(s)")
         # each rank loads the model (DDP's replicas) and its own partition's state, which
         # the ranks' partitions cover once: not the whole optimizer state on every rank

@@ -52,8 +52,14 @@ def consolidated(optim: ZeroRedundancyOptimizer) -> dict | None:
     return copy.deepcopy(optim.state_dict()) if dist.get_rank() == 0 else None
 
 
+def _state(a: dict, model: torch.nn.Module, optim: ZeroRedundancyOptimizer) -> dict:
+    """The state as saved: top-level entries, or (``a["nested"]``) both under one entry."""
+    return {"train": {"model": model, "optim": optim}} if a.get("nested") else {"model": model, "optim": optim}
+
+
 def save(a: dict) -> None:
-    """``a["steps"]`` steps, the reference state, a save (staged as ``a["staging"]`` says);
+    """``a["steps"]`` steps, the reference state, a save (staged as ``a["staging"]`` says;
+    with ``a["nested_root"]``, another there with the state under one entry);
     then one more step, at once (with overlapped staging it waits for the copy), whose
     parameters a resumed run at the same world size must reach bit for bit."""
     rank, _ = init()
@@ -61,6 +67,9 @@ def save(a: dict) -> None:
     for step in range(a["steps"]):
         train_step(ddp, optim, step)
     expected = consolidated(optim)
+    if a.get("nested_root"):  # the same state, under one entry of the program's own dict
+        with Checkpointer(a["nested_root"]) as ckpt:
+            ckpt.save(a["steps"], _state({"nested": True}, ddp, optim), force=True)
     with Checkpointer(a["root"], staging=a.get("staging", "auto")) as ckpt:
         ckpt.save(a["steps"], {"model": ddp, "optim": optim}, force=True)
         train_step(ddp, optim, a["steps"])
@@ -74,19 +83,20 @@ def resume(a: dict) -> None:
     """A fresh model and ZeRO optimizer (no step taken), restored; the bytes each rank
     loaded, the consolidated state, and the parameters after one more step, for the test to
     compare. With ``a["refused"]``:
-    the restore must be refused with a ``StateError`` naming the entry and that text."""
+    the restore must be refused with a ``StateError`` naming the entry and that text.
+    ``a["nested"]``: the state under one entry, as ``save`` wrote it to its nested root."""
     rank, world = init()
     model, ddp, optim = build()
     with Checkpointer(a["root"]) as ckpt:
         if a.get("refused"):
             try:
-                ckpt.restore({"model": model, "optim": optim})
+                ckpt.restore(_state(a, model, optim))
             except StateError as exc:
                 assert "'optim': ZeroRedundancyOptimizer" in str(exc) and a["refused"] in str(exc), exc
                 print("refused as expected:", exc, flush=True)
                 return
             raise AssertionError("the restore was not refused")
-        assert ckpt.restore({"model": model, "optim": optim}) == a["steps"]
+        assert ckpt.restore(_state(a, model, optim)) == a["steps"]
         loaded = ckpt.stats["bytes_restored"]
     with open(os.path.join(a["out"], f"loaded-{world}-{rank}.json"), "w") as f:
         json.dump(loaded, f)
