@@ -101,8 +101,13 @@ class ZeroOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads the state of this rank's partition (``ZeroRedundancyOptimizer.load_state_dict``
-        takes the global format and keeps its own part), once every index is checked: a
-        checkpoint is input, and ZeRO would take an index of -1 as the last parameter."""
+        takes the global format and keeps its own part), once every index is checked."""
+        self.optim.load_state_dict(self.checked(state_dict))
+
+    def checked(self, state_dict: Any) -> dict[str, Any]:
+        """``state_dict`` (a copy of its top level: ZeRO's load writes into it), once every
+        parameter index in it is one of this optimizer's: a checkpoint is input, and ZeRO
+        would take an index of -1 as its last parameter, giving it another's state."""
         count = len(self._params())
         state = state_dict.get("state") if isinstance(state_dict, dict) else None
         if not isinstance(state, dict) or not isinstance(state_dict.get("param_groups"), list):
@@ -111,4 +116,4 @@ class ZeroOptimizer:
             if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
                 raise ValueError(f"the saved optimizer state has an entry for parameter {index!r}; "
                                  f"this optimizer's are numbered 0 to {count - 1}")
-        self.optim.load_state_dict({"state": dict(state), "param_groups": state_dict["param_groups"]})
+        return {"state": dict(state), "param_groups": state_dict["param_groups"]}

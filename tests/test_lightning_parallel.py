@@ -40,7 +40,17 @@ class Sharded(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if os.environ.get("ZERO"):  # torch's ZeRO-1, which no save here may consolidate
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            def refused(*args, **kwargs):
+                raise AssertionError("a save consolidated the ZeRO optimizer's state onto one rank")
+            ZeroRedundancyOptimizer.consolidate_state_dict = refused
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+def local_optimizer(trainer):  # ZeRO's state is its local optimizer's
+    optimizer = trainer.optimizers[0]
+    return getattr(optimizer, "optim", optimizer)
 
 def whole(module):  # every rank takes part: full_tensor gathers the shards
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
@@ -51,7 +61,7 @@ class Record(Callback):
         weights = whole(module)
         if trainer.global_rank == 0:
             torch.save({"step": trainer.global_step, "weights": weights,
-                        "adam_steps": sorted({float(s["step"]) for s in trainer.optimizers[0].state.values()})},
+                        "adam_steps": sorted({float(s["step"]) for s in local_optimizer(trainer).state.values()})},
                        os.path.join(out, "start.pt"))
     def on_train_batch_end(self, trainer, module, *rest):
         weights = whole(module)
@@ -205,6 +215,21 @@ def test_ddp_saves_each_ranks_slice_and_resumes_at_another_world_size(tmp_path):
     assert scored["monitor"] == "loss" and scored["best_model_score"].numel() == 1
     assert _same(saved["state_dict"], torch.load(tmp_path / "full" / "weights-4.pt"))
     _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "5", "1", str(step4), env=ddp)
+    start = torch.load(tmp_path / "one" / "start.pt")
+    assert start["step"] == 4 and start["adam_steps"] == [4.0]
+    assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-4.pt"))
+
+
+def test_ddp_with_a_zero_optimizer_saves_each_ranks_part_without_consolidating(tmp_path):
+    """``ResilientDDPStrategy`` with torch's ``ZeroRedundancyOptimizer``: each rank saves its
+    partition's state (Lightning's own ``optimizer_state`` consolidates it onto rank 0 inside
+    the step, which the run here refuses); resumed on one rank, where one ZeRO holds every
+    parameter, from step 4's weights and Adam's step count."""
+    ddp = {"STRATEGY": "ddp", "ZERO": "1"}
+    said = _run(tmp_path, str(tmp_path / "ckpts"), str(tmp_path / "full"), "8", "2", env=ddp)
+    assert "rank 0: trained to step 8" in said
+    step4 = str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")
+    _run(tmp_path, str(tmp_path / "alone"), str(tmp_path / "one"), "5", "1", step4, env=ddp)
     start = torch.load(tmp_path / "one" / "start.pt")
     assert start["step"] == 4 and start["adam_steps"] == [4.0]
     assert _same(start["weights"], torch.load(tmp_path / "full" / "weights-4.pt"))
