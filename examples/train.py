@@ -4,6 +4,9 @@ Single process:            python examples/train.py
 Two processes (DDP, gloo): torchrun --nproc-per-node 2 examples/train.py
 Simulate a crash:          python examples/train.py --crash-at 120   (SIGKILLs itself)
 Run it again and it resumes from the last committed checkpoint.
+ZeRO-1 (optimizer state sharded over the ranks):
+                           torchrun --nproc-per-node 2 examples/train.py --zero
+                           (each rank saves its part; resumes at any number of processes)
 
 With ``--elastic`` the loop runs inside ``@resilient.elastic``: under ``resilient-run`` a
 lost peer is recovered in the surviving processes, without restarting them.
@@ -34,6 +37,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--remote", default=None, help="remote tier URL, e.g. s3://bucket/run or file:///shared/run")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a bigger model)")
     p.add_argument("--elastic", action="store_true", help="recover lost peers in-process (@resilient.elastic)")
+    p.add_argument("--zero", action="store_true",
+                   help="shard AdamW's state over the ranks (torch's ZeroRedundancyOptimizer; under torchrun)")
     return p.parse_args()
 
 
@@ -47,7 +52,15 @@ def train(ckpt: Checkpointer, args: argparse.Namespace) -> None:
         torch.nn.Linear(64, args.width), torch.nn.GELU(), torch.nn.Dropout(0.05),
         torch.nn.Linear(args.width, args.width), torch.nn.GELU(), torch.nn.Linear(args.width, 1),
     )
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if args.zero:  # each rank keeps (and saves) its partition's state; a checkpoint loads at any world size
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if not dist.is_initialized():
+            raise SystemExit("--zero shards the optimizer over the ranks of a process group: run it under torchrun "
+                             "or resilient-run (--nproc-per-node 1 for one)")
+        optim = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=args.steps)
     net = DDP(model) if world > 1 else model
     state = {"model": model, "optim": optim, "sched": sched, "log": {"losses": []}}

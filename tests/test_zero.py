@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from resilient import Checkpointer
-from tests.launch import run_ranks
+from tests.launch import REPO, run_ranks
 from tests.workers import batch
 from tests.zero_workers import WIDTHS
 
@@ -115,25 +117,44 @@ def test_a_zero_checkpoint_restores_into_a_plain_optimizer_and_a_plain_one_into_
     _assert_same_state(_load(out, "restored-2.pt"), optim.state_dict(), "a plain AdamW's checkpoint in ZeRO")
 
 
-@pytest.mark.parametrize("index", [-1, 8, "7"])
-def test_a_saved_parameter_index_out_of_range_is_refused_by_name(tmp_path, index):
+def test_a_saved_parameter_index_out_of_range_is_refused_by_name(tmp_path):
     """A checkpoint is input: ZeRO itself would take index -1 as the last parameter, and
     give it a state of another shape. The restore is refused, naming the entry and index."""
-    model = _model()
-    optim = _plain(model)
-    x, _ = batch(0, 0, 1)
-    model(x).pow(2).mean().backward()
-    optim.step()
-    saved = optim.state_dict()
-    saved["state"][index] = saved["state"].pop(7)  # the last parameter's state, renumbered
-    root, out = str(tmp_path / "ckpt"), str(tmp_path)
-    with Checkpointer(root) as ckpt:
-        ckpt.save(STEPS, {"model": model, "optim": saved}, force=True).result()
-    results = _run("resume", 2, {"root": root, "out": out, "refused": f"parameter {index!r}"})
-    assert not os.path.exists(os.path.join(out, "restored-2.pt"))
-    assert all("refused as expected" in r.output for r in results), results[0].output[-2000:]
+    cases = []
+    for index in (-1, 8, "7"):
+        model = _model()
+        optim = _plain(model)
+        x, _ = batch(0, 0, 1)
+        model(x).pow(2).mean().backward()
+        optim.step()
+        saved = optim.state_dict()
+        saved["state"][index] = saved["state"].pop(7)  # the last parameter's state, renumbered
+        root = str(tmp_path / f"ckpt{index}")
+        with Checkpointer(root) as ckpt:
+            ckpt.save(STEPS, {"model": model, "optim": saved}, force=True).result()
+        cases.append([root, f"parameter {index!r}"])
+    results = _run("refused", 2, {"cases": cases})
+    assert all(r.output.count("refused as expected") == 3 for r in results), results[0].output[-2000:]
 
 
 def test_a_zero_optimizer_overlapped_with_ddp_is_refused_naming_the_setting(tmp_path):
     results = _run("overlap_refused", 1, {"root": str(tmp_path / "ckpt")})
     assert "refused as expected" in results[0].output, results[0].output[-2000:]
+
+
+def _example(root: str, processes: int, *args: str) -> str:
+    cmd = [sys.executable, "-m", "resilient.launch.run", "--standalone", "--nproc-per-node", str(processes),
+           "--max-restarts", "0", "examples/train.py", "--zero", "--root", root, "--width", "64", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    return out.stdout + out.stderr
+
+
+def test_the_quickstart_example_with_zero_killed_on_two_ranks_resumes_on_one(tmp_path):
+    """``examples/train.py --zero`` as a user runs it: SIGKILLed at step 50 on two ranks
+    (saves every 20), resumed from step 40 by one process, which ends the run."""
+    root = str(tmp_path / "run")
+    out = _example(root, 2, "--steps", "60", "--every", "20", "--crash-at", "50")
+    assert "simulating a crash: SIGKILL at step 50 (last checkpoint: 40)" in out, out[-3000:]
+    out = _example(root, 1, "--steps", "60", "--every", "20")
+    assert "resumed from step 40 (world size 1" in out and "newest checkpoint: step 60" in out, out[-3000:]
