@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ._errors import UnsupportedStateError
+
 __all__ = ["zero_adapter", "ZeroOptimizer", "zero_class", "is_zero", "others_state"]
 
 _MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
@@ -85,9 +87,9 @@ class ZeroOptimizer:
         return {index for index, p in enumerate(self._params()) if id(p) in mine}
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's part, without the consolidation ZeRO's own ``state_dict`` needs first
+        (each rank's state sent to one rank inside the step: ``benchmarks/bench_zero.py``)."""
         if getattr(self.optim, "_overlap_with_ddp", False):
-            from ._errors import UnsupportedStateError
-
             raise UnsupportedStateError(
                 "a ZeroRedundancyOptimizer made with overlap_with_ddp=True builds its partition from DDP's "
                 "buckets during the first steps; make it with overlap_with_ddp=False to checkpoint it")
