@@ -12,6 +12,7 @@ import torch
 
 from resilient import Checkpointer, UnsupportedStateError
 
+from .fsdp_workers import AppState  # DCP's recipe: state keyed by parameter name
 from .workers import finish_scenario, init
 
 LAYERS = 4
@@ -58,7 +59,7 @@ def sharded_stages(a: dict) -> None:
     rank, world = init()
     stage = _sharded_stage(world, a["stages"])
     optim = torch.optim.AdamW(stage.parameters(), lr=1e-2)
-    state = {"app": _StageState(stage, optim)}
+    state = {"app": AppState(stage, optim)}
     with Checkpointer(a["root"], keep=None) as ckpt:
         if a.get("resume"):
             assert ckpt.restore(state) == 3
@@ -70,26 +71,8 @@ def sharded_stages(a: dict) -> None:
     print(_full_params(stage), flush=True)
 
 
-class _StageState:
-    """Model and optimizer state keyed by parameter name, as DCP's examples keep them."""
-
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.model, self.optim = model, optim
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.optim)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
 class _ModelOnly:
-    """The model's part of ``_StageState``: a restore for evaluation, or a new split."""
+    """The model's part of ``AppState``: a restore for evaluation, or a new split."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -127,7 +110,7 @@ def save(a: dict) -> None:
     rank, _ = init()
     stage, optim = _trained(rank, a["stages"])
     with Checkpointer(a["root"], keep=None) as ckpt:
-        ckpt.save(3, {"app": _StageState(stage, optim), "progress": {"epoch": 1}}, force=True)
+        ckpt.save(3, {"app": AppState(stage, optim), "progress": {"epoch": 1}}, force=True)
         ckpt.wait()
     _train(stage, optim, range(3, 6))
     print("AFTER " + json.dumps({k: v.tolist() for k, v in stage.state_dict().items()}), flush=True)
@@ -141,7 +124,7 @@ def resume(a: dict) -> None:
         for p in stage.parameters():
             p.zero_()
     optim = torch.optim.AdamW(stage.parameters(), lr=1e-2)
-    state = {"app": _StageState(stage, optim), "progress": {}}
+    state = {"app": AppState(stage, optim), "progress": {}}
     with Checkpointer(a["root"]) as ckpt:
         assert ckpt.restore(state) == 3
     assert state["progress"] == {"epoch": 1}
@@ -166,7 +149,7 @@ def another_split(a: dict) -> None:
         for p in stage.parameters():
             p.zero_()
     optim = torch.optim.AdamW(stage.parameters(), lr=0.5)  # the saved lr (1e-2) must come back
-    entry = _StageState(stage, optim) if a.get("optim") else _ModelOnly(stage)
+    entry = AppState(stage, optim) if a.get("optim") else _ModelOnly(stage)
     with Checkpointer(a["root"]) as ckpt:
         assert ckpt.restore({"app": entry}, strict=False) == 3
     for name, t in stage.state_dict().items():
