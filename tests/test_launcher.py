@@ -59,6 +59,9 @@ def test_killed_node_survivor_resumes_from_checkpoint(cluster):
 def test_repeated_worker_restarts_do_not_hang(cluster):
     """torchrun's shared store made 6 of 10 restarts hang here (stale peer addresses)."""
     cluster.max_restarts = 5
+    # each resumed gang must still be training at the next kill (the test kills the nodes at
+    # its end, so the run's tail costs nothing); a gang cut to 30 steps could finish first
+    cluster.steps_after_resume = 0
     a, b = cluster.start("a"), cluster.start("b")
     cluster.wait_for(lambda e: e["event"] == "step" and e["world"] == 2 and e["step"] >= 10, 60, "world 2")
     for _ in range(3):
