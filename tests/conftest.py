@@ -1,5 +1,6 @@
 import logging
 import os
+import tempfile
 
 import pytest
 
@@ -20,6 +21,16 @@ def _no_gang_leaks():
     a later test's Checkpointer believe it runs in that (long closed) round."""
     yield
     os.environ.pop("RESILIENT_GANG", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_write_temporary_files_under_the_tests_root(tmp_path_factory):
+    """Processes the tests start (agents, workers, examples) make their temporary files in
+    this session's pytest directory, not in /tmp: torch's agent alone left a
+    ``torchelastic_*`` log directory there for every run of ``resilient-run``, 230 after
+    three runs of the suite. pytest keeps its last three session directories."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # this process's own too: it read TMPDIR once, at its first use
 
 
 @pytest.fixture(scope="session")
