@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
                 step += 1
                 ckpt.save(step, state)
                 if step == a.kill_at:
+                    # the saves before the crash durable first, so that a test knows the step it
+                    # resumes from (under load, a save 5 steps back could still be in flight)
+                    ckpt.wait()
                     print(f"killed at step {step}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if step == a.steps:

@@ -90,6 +90,7 @@ def train(ckpt: Checkpointer, args: argparse.Namespace) -> None:
             note = f"  checkpoint staged in {(handle.staged_at - handle.started) * 1e3:.1f} ms" if handle else ""
             print(f"step {step + 1:4d}  loss {loss.item():.5f}{note}", flush=True)
         if args.crash_at == step + 1:
+            ckpt.wait()  # the saves before the crash durable first: the run says where it will resume
             if rank == 0:
                 print(f"simulating a crash: SIGKILL at step {step + 1} (last checkpoint: {ckpt.latest()})",
                       flush=True)
