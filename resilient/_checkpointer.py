@@ -21,6 +21,7 @@ from ._background import jitter
 from ._catalog import Catalog
 from ._claim import claim_root, job_id, live_sessions, release_root
 from ._coord import Coordinator, make_coordinator
+from ._compiled import eager_under_compile
 from ._chunk_table import MAX_CHUNK_BYTES
 from ._env import env_flag, env_float
 from ._errors import CheckpointCorruptError, CommitError, GangChange, ResilientError, StateError, StorageError
@@ -453,6 +454,7 @@ class Checkpointer:
             raise ValueError(f"{call}() needs a state: pass it, or bind one with Checkpointer(state=...)")
         return state
 
+    @eager_under_compile
     def save(self, step: int, state: Mapping[str, Any] | None = None, *, force: bool = False) -> SaveHandle | None:
         """Snapshot ``state`` for ``step`` if due (or ``force``); return its handle, else None.
         The step saved last is not saved again unless ``force`` (see ``_say_skipped``).
@@ -582,6 +584,7 @@ class Checkpointer:
     def _count_staging_wait(self, seconds: float) -> None:
         self.stats["staging_wait_s"] += seconds
 
+    @eager_under_compile
     def prepare(self, state: Mapping[str, Any] | None = None) -> None:
         """Plan the layout of ``state`` (the constructor's when None) and have the staging
         buffer made and touched in the background (``Staging.prewarm``), so that the first
@@ -642,6 +645,7 @@ class Checkpointer:
         agreed = self._coord.agree_max_later([int(here)])
         return bool(agreed and agreed[0])
 
+    @eager_under_compile
     def preempted(self) -> bool:
         """Whether the job is being preempted (SIGTERM or SIGUSR1 seen by any rank), the
         same answer on every rank, so every rank calls it at the same points (when there are
@@ -794,6 +798,7 @@ class Checkpointer:
                 self._tier.delete(step)
                 log.info("resilient: deleted checkpoint step %d (retention %r)", step, self._keep)
 
+    @eager_under_compile
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed on the local tier.
 
@@ -821,6 +826,7 @@ class Checkpointer:
         if failed:
             raise CommitError(failed[0].step, failed[0].failures, [e.step for e in failed[1:]]) from failed[0]
 
+    @eager_under_compile
     def flush(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed on the remote tier too.
 
@@ -896,6 +902,7 @@ class Checkpointer:
     def _memory_steps(self) -> set[int]:
         return self._memory.steps() if self._memory is not None else set()
 
+    @eager_under_compile
     def latest(self) -> int | None:
         """Step of the newest committed checkpoint on any tier (None when there is none).
         Commit records are checked here; data checksums are checked by restore."""
@@ -983,6 +990,7 @@ class Checkpointer:
         except Exception as exc:
             return exc
 
+    @eager_under_compile
     def restore(self, state: MutableMapping[str, Any] | None = None, *, step: int | None = None,
                 strict: bool = True) -> int:
         """Load the newest checkpoint every rank can read and verify; return its step (0: none).
@@ -1150,6 +1158,7 @@ class Checkpointer:
                 log.warning("resilient: could not mark step %d bad on %s: %s", step, catalog.storage.url, exc)
 
     # -- lifecycle ----------------------------------------------------------------------------
+    @eager_under_compile
     def close(self, timeout: float | None = None) -> None:
         """Wait for in-flight saves and stop the background thread.
 
@@ -1184,6 +1193,7 @@ class Checkpointer:
                 log.warning("resilient: old checkpoints still being deleted at close; the next start finishes it")
             self._release_root()
 
+    @eager_under_compile
     def abandon(self, wait: float = 0.0) -> None:
         """Stop at once after a failure of the gang: in-flight saves need peers that may be
         gone and are left uncommitted (the next Checkpointer on this root removes their

@@ -20,7 +20,6 @@ counters; a loop that does them should use ``staging="sync"``.)
 from __future__ import annotations
 
 import bisect
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._compiled import eager_under_compile
 from ._per_rank import PerRank
 from ._zero import is_zero
 
@@ -254,7 +254,6 @@ class SnapshotDone:
 _pending: list[StagingFence] = []
 _pending_lock = threading.Lock()
 _hook: Any = None
-_hook_hidden_from_dynamo = False
 
 
 def _forget(fence: StagingFence) -> None:
@@ -263,8 +262,14 @@ def _forget(fence: StagingFence) -> None:
             _pending.remove(fence)
 
 
+@eager_under_compile
 def open_all(*_: Any) -> None:
-    """Open every pending fence: before any optimizer step, and before a restore writes."""
+    """Open every pending fence: before any optimizer step, and before a restore writes.
+
+    Run as it is, not traced, when a compiled ``optimizer.step()`` (PyTorch's recipe for a
+    faster optimizer) calls it among its pre-hooks: Dynamo traced into it and warned in the
+    user's run of a ``time.perf_counter`` it cannot trace. It is a lock and an event, with
+    nothing to compile."""
     with _pending_lock:
         fences = list(_pending)
         _pending.clear()
@@ -273,29 +278,12 @@ def open_all(*_: Any) -> None:
 
 
 def register(fence: StagingFence) -> None:
-    """Gate every optimizer step on ``fence`` (the hook is global and installed once, and
-    once more when ``torch.compile`` has been loaded since: ``_gate``)."""
-    global _hook, _hook_hidden_from_dynamo
+    """Gate every optimizer step on ``fence`` (the hook is global and installed once)."""
+    global _hook
     with _pending_lock:
         _pending.append(fence)
-        dynamo = sys.modules.get("torch._dynamo")
-        if _hook is None or (dynamo is not None and not _hook_hidden_from_dynamo):
-            if _hook is not None:
-                _hook.remove()
-            _hook = register_optimizer_step_pre_hook(_gate(dynamo))
-            _hook_hidden_from_dynamo = dynamo is not None
-
-
-def _gate(dynamo: Any) -> Callable[..., None]:
-    """``open_all`` as the optimizer step's pre-hook, excluded from ``torch.compile`` where
-    it is loaded.
-
-    Why: a compiled ``optimizer.step()`` (PyTorch's recipe for a faster optimizer) runs its
-    pre-hooks inside the compiled frame, and Dynamo traced into this one, warning in the
-    user's run of a ``time.perf_counter`` it cannot trace. It is a lock and an event, with
-    nothing to compile. Only where Dynamo is loaded already (a process that compiles has
-    loaded it): importing it here would cost every process 1.4 s (sympy, through torch.fx)."""
-    return dynamo.disable(open_all) if dynamo is not None else open_all
+        if _hook is None:
+            _hook = register_optimizer_step_pre_hook(open_all)
 
 
 class CopyThread:

@@ -31,6 +31,7 @@ import torch
 from ._background import YieldingPool, someone_waits, waiting, yield_limit
 from ._chunkio import fsync_dir, write_chunked
 from ._commit import commit_together
+from ._compiled import eager_under_compile
 from ._coord import Coordinator
 from ._errors import CommitError
 from ._format import data_file_name
@@ -78,6 +79,7 @@ class SaveHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @eager_under_compile
     def settled(self, timeout: float | None = None) -> bool:
         """Wait until committed or failed, without raising for a failure (a caller that
         only needs the save's buffer back); whether it is. Background work does not yield
@@ -87,6 +89,7 @@ class SaveHandle:
         with waiting():
             return self._done.wait(timeout)
 
+    @eager_under_compile
     def result(self, timeout: float | None = None) -> None:
         """Block until committed; raise ``CommitError`` if it failed, ``TimeoutError`` if late."""
         if not self.settled(timeout):
