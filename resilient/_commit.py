@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - a platform without isal's wheels
 from ._box_runs import box_rows, canonical_rank, find_runs, in_fewest_runs
 from ._coord import Coordinator
 from ._errors import CommitError
-from ._format import FORMAT, VERSION
+from ._format import FORMAT, written_version
 from ._gc_pause import gc_paused
 from ._names import data_file_name
 from ._report_memo import KEPT_PIECES, HeldPieces, SentPieces
@@ -344,7 +344,7 @@ def assemble_manifest(step: int, raws: list[bytes], codec: str, held: HeldPieces
         held.propose({r.header["rank"]: {kind: getattr(r, kind) for kind in KEPT_PIECES} for r in reports},
                      {r.header["rank"]: {**r.header.get("digests", {}), **r.header.get("kept", {})} for r in reports},
                      sharded, (files_of, tensors))
-    head = _json({"format": FORMAT, "version": VERSION, "step": step, "world_size": len(reports),
+    head = _json({"format": FORMAT, "version": written_version(trees.kept), "step": step, "world_size": len(reports),
                   "created": time.time(), "torch_version": torch.__version__.split("+")[0], "codec": codec,
                   "chunk_bytes": first.header["chunk_bytes"]})
     return b"".join([head[:-1], b',"files":{', b",".join(files), b'},"tensors":', tensors,

@@ -66,11 +66,14 @@ __all__ = [
     "dtype_itemsize",
     "encode_manifest",
     "decode_manifest",
+    "written_version",
 ]
 
 FORMAT = "resilient.checkpoint"
-VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
+#: what this version writes: 5 where a tree holds a tensor subclass's parts (a "wrapped"
+#: node, which a reader of 4 would not know), otherwise 4 (``written_version``)
+VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
@@ -120,6 +123,14 @@ def dtype_from_name(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def written_version(trees: list[bytes]) -> int:
+    """The format a manifest of these JSON trees is written in: 5 only where one holds a
+    wrapped tensor subclass, so that a resilient reading 4 refuses it as newer (asking for
+    an upgrade) rather than load the parts as a dict, and reads every other checkpoint as
+    before. The match is exact: a quote inside a JSON string is escaped."""
+    return VERSION if any(b'"t":"wrapped"' in tree for tree in trees) else 4
+
+
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, separators=(",", ":"), allow_nan=True).encode()
 
@@ -146,7 +157,7 @@ def _ints(value: Any, where: str, field: str | Callable[[], str], *, length: int
 
 
 MAX_TREE_DEPTH = 512
-_NODE_KINDS = ("dict", "list", "tuple", "tensor", "v", "obj", "per_rank")
+_NODE_KINDS = ("dict", "list", "tuple", "tensor", "v", "obj", "per_rank", "wrapped")
 
 
 class NewerFormatError(CheckpointCorruptError):
@@ -398,6 +409,13 @@ def _check_tree(root: dict[str, Any], tensors: dict[str, Any], where: str, field
                 _fail(where, field, "has a value that is not a JSON scalar")
         elif kind in ("obj", "per_rank"):
             stack.append((node.get("sd"), depth + 1))
+        elif kind == "wrapped":  # a tensor subclass's parts (``_subclasses``), its items as a dict's
+            if not (isinstance(node.get("class"), str) and isinstance(node.get("name"), str)):
+                _fail(where, field, "has a wrapped tensor without its class and name")
+            _ints(node.get("shape"), where, field)
+            _ints(node.get("stride"), where, field)
+            stack.append((node.get("ctx"), depth + 1))
+            stack.append(({"t": "dict", "items": node.get("items")}, depth + 1))
         else:
             items = node.get("items")
             if not isinstance(items, list):

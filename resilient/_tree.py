@@ -28,6 +28,7 @@ from ._kinds import (FROM_TEXT, SCALARS, array_tensor, as_bytes, as_numpy, as_se
                      scalar_set, text_kind)
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
+from ._subclasses import class_name, rebuilt, wrapper_parts
 from ._wrappers import adapter_for, state_holder
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful",
@@ -46,7 +47,7 @@ def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
     each of these fails later and far from the user's key otherwise: a quantized tensor's
     copy crashed the process, a meta tensor was "restored" by a copy that does nothing, and
     a wrapper subclass raised torch's "invalid python storage" naming nothing."""
-    t = local_tensor(t)  # a DTensor: its local tensor, read directly
+    whole, t = t, local_tensor(t)  # a DTensor: its local tensor, read directly
     if (type(t) in PLAIN_TYPES and t.layout is torch.strided
             and not (t.is_nested or t.is_quantized or t.is_meta)):
         return None  # the common case in one test: this runs for every tensor of every save
@@ -71,7 +72,13 @@ def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
     try:
         t.untyped_storage().data_ptr()  # a wrapper's own data_ptr() is 0, not an error
     except RuntimeError:
-        return (f"it is a {type(t).__qualname__}, a tensor subclass without storage of its own",
+        if whole is not t:  # FSDP2 with torchao's low-bit optimizer: its states are DTensors over them
+            return (f"it is a DTensor over a {type(t).__qualname__}, a tensor subclass whose parts are "
+                    "quantization blocks of this rank's shard, not shards of one tensor (a low-bit optimizer "
+                    "under FSDP2), which resilient does not save",
+                    "use a full-precision optimizer for sharded parameters, or the low-bit one without FSDP")
+        return (f"it is a {type(t).__qualname__}, a tensor subclass without storage of its own that does not "
+                "say how to take it apart (__tensor_flatten__ and __tensor_unflatten__)",
                 "save the plain tensors it wraps (or their state_dict)")
     return None
 
@@ -140,6 +147,9 @@ class Flattened:
 
     def encode(self, obj: Any, path: str, *, expand_stateful: bool) -> dict[str, Any]:
         if isinstance(obj, torch.Tensor):
+            parts = wrapper_parts(obj) if type(obj) not in PLAIN_TYPES else None
+            if parts is not None:
+                return self._wrapped(obj, parts, path)
             unplain = without_plain_bytes(obj) if self.saving else None
             if unplain is not None:
                 why, remedy = unplain
@@ -223,6 +233,31 @@ class Flattened:
         )
 
 
+    def _wrapped(self, obj: torch.Tensor, parts: tuple[list[str], Any], path: str) -> dict[str, Any]:
+        """A wrapper subclass (``_subclasses``): its inner tensors under its name, its
+        flatten context as plain values, checked to come back equal, since the class is
+        rebuilt from it."""
+        names, context = parts
+        cls = class_name(type(obj))
+        if self.saving:
+            scratch = Flattened()
+            try:
+                saved_context = scratch.encode(context, path, expand_stateful=False)
+            except UnsupportedStateError:
+                saved_context = None
+            if saved_context is None or scratch.tensors or build_value(saved_context, lambda name: None) != context:
+                raise UnsupportedStateError(
+                    f"state[{path!r}]: a {cls}'s flatten context ({str(context)[:200]}) is not plain values "
+                    "(numbers, strings, dtypes, lists, dicts), so it cannot be checkpointed without pickle"
+                )
+        else:
+            saved_context = {"t": "v", "v": None}  # a restore target's inner tensors are what count
+        items = [[name, self.encode(getattr(obj, name), child_path(path, name), expand_stateful=False)]
+                 for name in names]
+        return {"t": "wrapped", "class": cls, "name": path, "shape": list(obj.shape), "stride": list(obj.stride()),
+                "ctx": saved_context, "items": items}
+
+
 def _held(value: Any, expand_stateful: bool) -> Any:
     """What holds the state of an object in the program's own dicts and lists: a module
     wrapper's (DDP, torch.compile) module, as at the top level (``_wrappers``), so the
@@ -295,7 +330,7 @@ def flatten_target(obj: Any, path: str) -> dict[str, torch.Tensor]:
 def tensor_names(node: dict[str, Any]) -> list[str]:
     """Names of the tensors a saved tree holds, in tree order."""
     names: list[str] = []
-    build_value(node, lambda n: names.append(n))  # type: ignore[func-returns-value]
+    build_value(node, lambda n: names.append(n), kinds=False)  # type: ignore[func-returns-value]
     return names
 
 
@@ -320,6 +355,12 @@ def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, 
         return tuple(build_value(v, tensor, kinds=kinds) for v in node["items"])
     if kind in ("obj", "per_rank"):
         return build_value(node["sd"], tensor, kinds=kinds)
+    if kind == "wrapped":  # a tensor subclass: rebuilt from its parts, or, unless kinds, the parts
+        inner = {k: build_value(v, tensor, kinds=kinds) for k, v in node["items"]}
+        if not kinds:
+            return inner
+        return rebuilt(node["class"], inner, build_value(node["ctx"], tensor), node["shape"], node["stride"],
+                       node["name"])
     raise ValueError(f"unknown node type {kind!r} in checkpoint tree")
 
 

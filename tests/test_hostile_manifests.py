@@ -59,7 +59,20 @@ def _mutations() -> dict:
         "rng_negative_offset": lambda m: m["ranks"][0][1].__setitem__(0, -1),
         "rng_a_string": lambda m: m["ranks"][0].__setitem__(1, "rank-00000.data"),
         "rng_three_numbers": lambda m: m["ranks"][0][1].append(5),
+        # w as a tensor subclass's parts (format 5), damaged
+        "wrapped_shape_a_string": lambda m: _as_wrapped(m, shape="*"),
+        "wrapped_class_a_number": lambda m: _as_wrapped(m, cls=7),
+        "wrapped_items_not_a_list": lambda m: _as_wrapped(m, items={"payload": "w"}),
     }
+
+
+def _as_wrapped(m: dict, cls="tests.wrapped_tensors.Scaled", shape=(256,), items=None) -> None:
+    """w's tree node as a wrapped subclass holding w as its payload (format 5), as given."""
+    m["version"] = 5
+    node = m["trees"][0]["items"][0][1]
+    m["trees"][0]["items"][0][1] = {"t": "wrapped", "class": cls, "name": "w",
+                                    "shape": shape if isinstance(shape, str) else list(shape), "stride": [1],
+                                    "ctx": {"t": "v", "v": None}, "items": [["payload", node]] if items is None else items}
 
 
 def _footer_damage() -> dict:
