@@ -6,7 +6,8 @@ JSON, never pickle: reading it runs no code, whoever wrote the bucket. It is val
 field by field before use, so a damaged or hostile manifest is an error that names the
 field, not a crash deep in the loader.
 
-Version 4 layout (``docs/format.md`` has the prose; versions 3, 2 and 1 are still read:
+Version 4 layout (``docs/format.md`` has the prose; version 5 is 4 where a tree holds a
+tensor subclass's parts, a "wrapped" node, ``_subclasses``; versions 3, 2 and 1 are still read:
 3 kept each file's chunk table in ``files``, 2 also every RNG state in ``rngs``, 1 also
 listed every box on its own and each rank's tree and RNG state in ``ranks``)::
 
