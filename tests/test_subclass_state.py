@@ -155,3 +155,25 @@ def test_a_checkpoint_naming_another_class_gets_a_refusal_not_that_class(root):
     with Checkpointer(root, state={"extra": {}}) as ckpt:
         with pytest.raises(StateError, match=r"key 'extra/w': the checkpoint holds a subprocess.Popen"):
             ckpt.restore()
+
+
+def test_under_fsdp2_a_dtensor_over_a_low_bit_state_is_refused_naming_the_key():
+    """FSDP2 with AdamW8bit: each state is a DTensor over the subclass, whose parts are
+    quantization blocks of the rank's shard, not shards of one tensor: refused by name
+    rather than saved as something that would not restore at another world size."""
+    subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from resilient._tree import flatten_state
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        local = subclass_8bit.OptimState8bit.zeros((64, 128), signed=True, block_size=128)
+        state = DTensor.from_local(local, init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False)
+        with pytest.raises(UnsupportedStateError, match=r"state\['optim/m'\]: it is a DTensor over a OptimState8bit"):
+            flatten_state({"optim": {"m": state}})
+    finally:
+        dist.destroy_process_group()
