@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--remote", default=None,
                    help="drain checkpoints to this object store URL (or directory) too; a run whose --dir is "
                         "empty (a new node) resumes from there")
+    p.add_argument("--optim", default="adamw_torch",
+                   help="the Trainer's optimizer by name (adamw_torch_8bit: torchao's 8-bit AdamW, whose states "
+                        "are tensor subclasses)")
     p.add_argument("--out", default=None, help="torch.save the final weights here")
     p.add_argument("--plain", action="store_true", help="the plain Trainer (its own checkpoints), for comparison")
     a = p.parse_args(argv)
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = TrainingArguments(output_dir=a.dir, max_steps=a.steps, save_steps=a.save_steps, save_strategy="steps",
                              per_device_train_batch_size=8, learning_rate=1e-3, lr_scheduler_type="linear",
                              warmup_steps=4, logging_steps=4, report_to=[], seed=0, use_cpu=True,
-                             dataloader_num_workers=0, disable_tqdm=True)
+                             dataloader_num_workers=0, disable_tqdm=True, optim=a.optim)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     kind = Trainer if a.plain else ResilientTrainer
