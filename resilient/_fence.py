@@ -41,11 +41,17 @@ class StagingTornError(RuntimeError):
     """A tensor whose copy was deferred was written before the copy was complete."""
 
 
-def _storage_of(t: torch.Tensor) -> int:
+def _storages_of(t: torch.Tensor) -> list[int]:
+    """The storage of ``t`` (a DTensor's local one), or of each tensor a wrapper subclass
+    holds (torchao's 8-bit optimizer states: codes, scales), which are what a save copies."""
     from ._snapshot import local_tensor  # _snapshot stages through this module
+    from ._subclasses import wrapper_parts
 
     local = local_tensor(t)
-    return local.untyped_storage().data_ptr()
+    parts = wrapper_parts(local)
+    if parts is None:
+        return [local.untyped_storage().data_ptr()]
+    return [storage for name in parts[0] for storage in _storages_of(getattr(local, name))]
 
 
 def optimizer_storages(state: Mapping[str, Any]) -> set[int]:
@@ -60,13 +66,13 @@ def optimizer_storages(state: Mapping[str, Any]) -> set[int]:
             continue
         for group in inner.param_groups:
             for param in group["params"]:
-                storages.add(_storage_of(param))
+                storages.update(_storages_of(param))
         # a ZeRO optimizer's state is its local optimizer's, whose step runs inside its own
         states = [inner.state] + ([inner.optim.state] if is_zero(inner) else [])
         for per_param in (value for state_ in states for value in state_.values()):
             for tensor in per_param.values() if isinstance(per_param, dict) else ():
                 if isinstance(tensor, torch.Tensor):
-                    storages.add(_storage_of(tensor))
+                    storages.update(_storages_of(tensor))
     return storages
 
 
@@ -304,4 +310,4 @@ class CopyThread:
 
 def deferred_sources(tensors: Mapping[str, torch.Tensor], storages: set[int]) -> set[str]:
     """The names of the tensors that live in one of ``storages``."""
-    return {name for name, tensor in tensors.items() if _storage_of(tensor) in storages}
+    return {name for name, tensor in tensors.items() if not storages.isdisjoint(_storages_of(tensor))}
