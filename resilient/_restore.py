@@ -45,6 +45,7 @@ import warnings
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, MutableMapping
+from urllib.parse import unquote
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -715,8 +716,13 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
             targets = {name: t for name, t in targets.items() if name in saved_names}
             if live and saved_names and not targets:
                 _warn_nothing_matched(key, step, sorted(live), sorted(saved_names))
+        # a module that loads its own way may take a tensor of the checkpoint's shape, not
+        # its own: read fresh, for its load_state_dict
+        own_way = {name for name, t in targets.items() if name in saved_names and not is_lazy(t)
+                   and list(t.shape) != tensors_meta[name]["shape"] and _loads_its_own_way(entry, path, name)}
         for name, t in targets.items():
-            _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
+            if name not in own_way:
+                _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
         # a module takes only its own names, and under strict says which it lacks before
         # anything is read; an entry saved in parts (pipeline stages) takes only the names its
         # tensors have, the other stages' being theirs, unless it holds none to say which
@@ -747,7 +753,9 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                      for name, param in _optimizer_templates(optim, optim_path, node).items()}
         for name in saved_names:
             meta = tensors_meta[name]
-            if name in targets and is_lazy(targets[name]):
+            if name in own_way:
+                destinations[name] = _Destination.fresh(meta)
+            elif name in targets and is_lazy(targets[name]):
                 lazy[name] = targets[name]  # materialized once every entry is checked
             elif name in targets:
                 destinations[name] = _Destination.into(targets[name], name, dtype_from_name(meta["dtype"]))
@@ -768,6 +776,27 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                     "not restored (name it in the state, or pass strict=False to restore a part on purpose)",
                     step, ", ".join(map(repr, unasked)))
     return destinations, entries, record
+
+
+def _loads_its_own_way(entry: _Entry, path: str, name: str) -> bool:
+    """Whether the module holding tensor ``name`` loads its state through code of its own
+    (``_load_from_state_dict`` overridden, or a load pre-hook), which may take a tensor of
+    another shape than its own. Why: quantization-aware training's ``FakeQuantize`` keeps a
+    scale of one value until its first forward and one per channel after (its observers
+    likewise), and resizes it in ``load_state_dict``; a restore into a freshly prepared model
+    refused the checkpoint ("shape mismatch") where ``load_state_dict`` takes it. A plain
+    module's parameter of another shape is still refused here, by name."""
+    for module, module_path, _ in _held_in(entry.inner, path, entry.sources[0], torch.nn.Module):
+        if not name.startswith(f"{module_path}/"):
+            continue
+        owner_path = unquote(name[len(module_path) + 1:]).rpartition(".")[0]
+        try:
+            owner = module.get_submodule(owner_path)
+        except AttributeError:
+            return False
+        custom = type(owner)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+        return custom or bool(owner._load_state_dict_pre_hooks)
+    return False
 
 
 def _materialized(param: torch.Tensor, name: str, meta: dict[str, Any]) -> "_Destination":
