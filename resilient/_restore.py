@@ -716,10 +716,12 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
             targets = {name: t for name, t in targets.items() if name in saved_names}
             if live and saved_names and not targets:
                 _warn_nothing_matched(key, step, sorted(live), sorted(saved_names))
-        # a module that loads its own way may take a tensor of the checkpoint's shape, not
-        # its own: read fresh, for its load_state_dict
-        own_way = {name for name, t in targets.items() if name in saved_names and not is_lazy(t)
-                   and list(t.shape) != tensors_meta[name]["shape"] and _loads_its_own_way(entry, path, name)}
+        # a module that loads its own way may take a tensor of the checkpoint's shape, not its
+        # own (read fresh, for its load_state_dict), and may hold one the checkpoint lacks (a
+        # longer list state, which its load_state_dict replaces)
+        own_way = {name for name, t in targets.items()
+                   if (name not in saved_names or (not is_lazy(t) and list(t.shape) != tensors_meta[name]["shape"]))
+                   and _loads_its_own_way(entry, path, name)}
         for name, t in targets.items():
             if name not in own_way:
                 _check_tensor(name, tensors_meta.get(name) if name in saved_names else None, t, step)
@@ -737,7 +739,10 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
             extra = [name for name in extra if not name.startswith(fresh)] if fresh else extra
         elif path:
             for _, module_path, _ in _held_in(entry.inner, path, entry.sources[0], torch.nn.Module):
-                lacked = sorted(n for n in saved_names - set(targets) if n.startswith(f"{module_path}/"))
+                # what a module that loads its own way lacks is its load_state_dict's to take
+                # (torchmetrics' list states, empty in a fresh metric): read, and handed to it
+                lacked = sorted(n for n in saved_names - set(targets)
+                                if n.startswith(f"{module_path}/") and not _loads_its_own_way(entry, path, n))
                 if lacked and strict:
                     raise StateError(f"key {module_path!r}: the checkpoint of step {step} has entries the module "
                                      f"lacks: {lacked[:5]}")

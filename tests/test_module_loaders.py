@@ -1,8 +1,10 @@
 """Modules that load their state through code of their own, as ``load_state_dict`` lets
 them: quantization-aware training (``torch.ao.quantization.prepare_qat``), whose
 ``FakeQuantize`` modules hold a scale of one value until their first forward and one per
-output channel after. A restore into a freshly prepared model refused that checkpoint
-("shape mismatch") where torch's ``load_state_dict`` takes it."""
+output channel after, and torchmetrics' metrics, whose list states (every prediction so
+far, for an AUROC) grow with each update. A restore into a fresh model or metric refused
+those checkpoints ("shape mismatch", "entries the module lacks") where torch's
+``load_state_dict`` takes them."""
 
 import warnings
 
@@ -58,3 +60,34 @@ def test_a_plain_modules_parameter_of_another_shape_is_still_refused_by_name(roo
     with Checkpointer(root, state={"model": torch.nn.Linear(4, 5)}) as ckpt:
         with pytest.raises(StateError, match=r"key 'model/weight': shape mismatch: the state expects \[5, 4\]"):
             ckpt.restore()
+
+
+def _metrics(torchmetrics):
+    metrics = {"auroc": torchmetrics.classification.BinaryAUROC(),  # list states: preds, target
+               "mean": torchmetrics.MeanMetric()}
+    for metric in metrics.values():
+        metric.persistent(True)  # checkpointed, as a resumed evaluation needs
+    return metrics
+
+
+def _update(metrics, generator, times: int) -> None:
+    for _ in range(times):
+        metrics["auroc"].update(torch.rand(5, generator=generator), torch.randint(0, 2, (5,), generator=generator))
+        metrics["mean"].update(torch.rand(5, generator=generator))
+
+
+def test_torchmetrics_list_states_restore_into_a_fresh_metric_and_a_fuller_one(root):
+    torchmetrics = pytest.importorskip("torchmetrics")
+    g = torch.Generator().manual_seed(0)
+    saved = _metrics(torchmetrics)
+    _update(saved, g, 3)
+    with Checkpointer(root, state={"metrics": saved}) as ckpt:
+        ckpt.save(1).result()
+    fresh, fuller = _metrics(torchmetrics), _metrics(torchmetrics)
+    _update(fuller, g, 5)  # holds more predictions than were saved: the checkpoint's replace them
+    for metrics in (fresh, fuller):
+        with Checkpointer(root, state={"metrics": metrics}) as ckpt:
+            assert ckpt.restore() == 1
+        assert len(metrics["auroc"].preds) == 3
+        for name in ("auroc", "mean"):
+            assert torch.equal(metrics[name].compute(), saved[name].compute()), name
