@@ -211,12 +211,29 @@ def _check_tensor(name: str, meta: dict[str, Any] | None, target: torch.Tensor, 
     if short is not None:  # read into, it stayed as it was, and the restore said it was done
         raise StateError(f"key {name!r}: the state's tensor cannot be restored into: {short}; restore into "
                          "the sharded state, or once its storage is allocated again")
+    shared = _shared_dim(target)
+    if shared is not None:  # before: torch's "unsupported operation" at the copy, naming nothing
+        raise StateError(
+            f"key {name!r}: the state's tensor cannot be restored into: it is an expanded view (stride 0 along "
+            f"dim {shared}: its elements there share one memory location, as torch.arange(n).expand(...) makes), "
+            "which load_state_dict cannot copy into either; register it with persistent=False (a constant needs no "
+            "checkpoint), or make it with .clone()"
+        )
     if list(target.shape) != meta["shape"]:
         raise StateError(
             f"key {name!r}: shape mismatch: the state expects {list(target.shape)}, "
             f"the checkpoint of step {step} has {meta['shape']}"
         )
     _check_dtype(name, meta, target, step)
+
+
+def _shared_dim(target: torch.Tensor) -> int | None:
+    """The first dimension along which ``target``'s elements share memory (stride 0, more
+    than one element), or None; asked only of tensors that are not contiguous."""
+    local = local_tensor(target)
+    if local.is_contiguous():
+        return None
+    return next((d for d, (n, s) in enumerate(zip(local.shape, local.stride())) if s == 0 and n > 1), None)
 
 
 def _check_dtype(name: str, meta: dict[str, Any], target: torch.Tensor, step: int) -> None:

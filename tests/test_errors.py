@@ -253,6 +253,24 @@ def test_restoring_into_a_tensor_whose_storage_was_freed_is_refused_naming_the_k
     assert torch.equal(model.weight, expected.weight)
 
 
+
+def test_restoring_into_an_expanded_buffer_is_refused_naming_the_key_before_anything_is_read(root):
+    """A buffer made by ``expand`` (``position_ids`` in older transformer code) shares one
+    memory location among its elements: torch's ``load_state_dict`` cannot copy into it
+    either, and the restore raised torch's "unsupported operation" naming nothing, after
+    reading. A transposed or strided one is no such view and restores."""
+    saved = {"ids": torch.arange(10).expand(3, -1).clone(), "t": torch.arange(12.0).reshape(3, 4).t(),
+             "s": torch.arange(20.0)[::3]}
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": saved}).result()
+    back = {"ids": torch.zeros(10, dtype=torch.long).expand(3, -1), "t": torch.zeros(3, 4).t(), "s": torch.zeros(20)[::3]}
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(StateError, match=r"key 'model/ids': .*expanded view \(stride 0 along dim 0.*persistent=False"):
+            ckpt.restore({"model": back})
+        back["ids"] = back["ids"].clone()
+        assert ckpt.restore({"model": back}) == 1
+    assert all(torch.equal(back[k], saved[k]) for k in saved)
+
 def test_a_checkpointer_made_before_the_process_group_under_a_launcher_is_refused(root, monkeypatch):
     """torchrun and resilient-run set WORLD_SIZE: made before init_process_group, every rank's
     Checkpointer saved as if alone into the same root, and one of them failed at random with
