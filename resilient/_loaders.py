@@ -71,8 +71,35 @@ def loader_adapter(obj: Any) -> "_StatefulLoader | None":
     stateful = _class("torchdata.stateful_dataloader.stateful_dataloader", "StatefulDataLoader")
     if stateful is not None and isinstance(obj, stateful):
         return _StatefulLoader(obj)
+    nodes = _class("torchdata.nodes.loader", "Loader")
+    if nodes is not None and isinstance(obj, nodes):
+        return _NodesLoader(obj)
     return None
 
+
+class _NodesLoader:
+    """torchdata.nodes' ``Loader``, whose state a restore must not ask for before loading.
+
+    Why: asked for its ``state_dict()`` before it has an iterator, such a loader makes one
+    (its sampler drawing the epoch's order from its generator) and hands it to the next
+    ``iter()`` as it is, not from a state loaded in between. A restore asks every object of
+    the state for its ``state_dict()`` first, to find the tensors to fill in place: a
+    resumed run began the epoch again (10 batches where 7 were left), and with that fixed
+    alone, drew its order once too often (the right count, other batches). A loader's state
+    holds no tensors to fill, so a restore does not ask (``holds_no_tensors``), and the
+    loader's own ``load_state_dict`` decides the program's next ``iter()``, as on a loader
+    restored by hand."""
+
+    holds_no_tensors = True
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.loader.load_state_dict(state)
 
 def _make_resumed_iterator(loader: Any) -> None:
     """A StatefulDataLoader's iterator from the state just loaded, made now (its seed drawn

@@ -171,6 +171,8 @@ class Flattened:
                 "(state['name'] = PerRank(value))"
             )
         holder = (adapter_for(obj) or (obj if is_stateful(obj) else None)) if expand_stateful else None
+        if holder is not None and not self.saving and getattr(holder, "holds_no_tensors", False):
+            return {"t": "obj", "sd": {"t": "v", "v": None}}  # a restore target whose state_dict() acts (_loaders)
         if holder is not None:
             return {"t": "obj", "sd": self.encode(_state_dict_of(holder, path), path, expand_stateful=False)}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -122,6 +122,32 @@ def test_a_loaders_saved_epoch_or_process_count_out_of_range_is_refused_by_name(
     assert "'loader'" in str(err.value) and f"saved {field} is {value!r}" in str(err.value), err.value
 
 
+
+def _nodes_loader():
+    """torchdata.nodes: a shuffled order from the sampler's own generator, mapped on threads."""
+    from torchdata.nodes import Batcher, Loader, ParallelMapper, SamplerWrapper
+
+    sampler = torch.utils.data.RandomSampler(range(40), generator=torch.Generator().manual_seed(0))
+    mapped = ParallelMapper(SamplerWrapper(sampler), map_fn=lambda i: i * 10, num_workers=2, method="thread")
+    return Loader(Batcher(mapped, batch_size=4))
+
+
+def test_a_torchdata_nodes_loader_resumes_with_the_rest_of_its_epoch(tmp_path):
+    """A restore asked the loader for its state before loading it, which made it an
+    iterator that its next ``iter()`` then took as it was: the resumed run began the epoch
+    again (10 batches where 7 were left), and drew its order once too often."""
+    pytest.importorskip("torchdata.nodes")
+    whole = list(_nodes_loader())
+    loader = _nodes_loader()
+    batches = iter(loader)
+    seen = [next(batches) for _ in range(3)]
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(3, {"data": loader}).result()
+    resumed = _nodes_loader()  # fresh, as after a restart: torchdata's own load_state_dict gives the same
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.restore({"data": resumed}) == 3
+    assert seen + list(resumed) == whole
+
 def test_a_plain_dataloader_is_refused_naming_what_keeps_a_position(tmp_path):
     loader = torch.utils.data.DataLoader(_dataset(), batch_size=4, shuffle=True)
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt, pytest.raises(UnsupportedStateError) as err:
