@@ -237,13 +237,13 @@ class Catalog:
 
         meta = manifest["tensors"][name]
         dtype = dtype_from_name(meta["dtype"])
-        full = out if out is not None else torch.empty(meta["shape"], dtype=dtype)
+        full = out if out is not None else torch.empty(meta["shape"], dtype=dtype, device="cpu")
         covered = 0
         for saved in meta["boxes"]:
             box = Box(tuple(saved["offsets"]), tuple(saved["sizes"]))
             whole = list(box.sizes) == list(meta["shape"]) and full.is_contiguous()
             # a box covering the tensor is read straight into it: no copy of the tensor in RAM
-            part = full if whole else torch.empty(box.sizes, dtype=dtype)
+            part = full if whole else torch.empty(box.sizes, dtype=dtype, device="cpu")
             view = memoryview(part.reshape(-1).view(torch.uint8).numpy()) if part.numel() else memoryview(b"")
             pos = 0
             for fname, offset, nbytes in saved["pieces"]:

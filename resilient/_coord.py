@@ -259,7 +259,7 @@ class _Later:
         self._work, self._reduced, self._event = work, reduced, None
         if reduced.is_cuda:
             work.wait()  # the current stream waits for the collective: the host does not
-            self._reduced = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
+            self._reduced = torch.empty(reduced.shape, dtype=reduced.dtype, device="cpu", pin_memory=True)
             self._reduced.copy_(reduced, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()

@@ -64,7 +64,7 @@ def page_aligned_empty(nbytes: int) -> torch.Tensor:
     boundary; at least a huge page long, it starts on a huge-page boundary and is advised
     as huge pages before anything touches it."""
     align = HUGE_PAGE if nbytes >= HUGE_PAGE else DIRECT_ALIGN
-    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, device="cpu")
     skip = -raw.data_ptr() % align
     buffer = raw[skip : skip + nbytes]
     if align == HUGE_PAGE:
@@ -134,7 +134,7 @@ class HostBuffer:
                     "using torch's pinned allocator, which rounds the size up to a power of two", nbytes, error)
         del tensor
         mapping.close()
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc: page-aligned
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)  # cudaHostAlloc: page-aligned
 
     @property
     def registered(self) -> bool:

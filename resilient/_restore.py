@@ -170,10 +170,10 @@ def _fill(
             continue
         run = contiguous_range(inter.relative_to(sbox), sbox.sizes)
         if run is not None:
-            tmp = torch.empty(inter.sizes, dtype=dest.dtype)
+            tmp = torch.empty(inter.sizes, dtype=dest.dtype, device="cpu")
             reads += reader.box_bytes(saved["pieces"], run[0] * elem, _as_bytes(tmp))
         else:  # read the whole saved box, keep the overlap
-            whole = torch.empty(sbox.sizes, dtype=dest.dtype)
+            whole = torch.empty(sbox.sizes, dtype=dest.dtype, device="cpu")
             reads += reader.box_bytes(saved["pieces"], 0, _as_bytes(whole))
             rel = inter.relative_to(sbox)
             tmp = whole[tuple(slice(o, o + s) for o, s in zip(rel.offsets, rel.sizes))]
@@ -259,7 +259,7 @@ def converts(saved: torch.dtype, wanted: torch.dtype) -> bool:
     try:
         with warnings.catch_warnings():  # complex32's "experimental" note, said by the probe only
             warnings.simplefilter("ignore")
-            torch.zeros(1, dtype=wanted).copy_(torch.zeros(1, dtype=saved))
+            torch.zeros(1, dtype=wanted, device="cpu").copy_(torch.zeros(1, dtype=saved, device="cpu"))
     except (RuntimeError, TypeError):
         return False
     return True
@@ -340,12 +340,12 @@ class _Destination:
         if direct:  # detached only when it must be: ~5 µs a tensor, at every restore
             buffer = local.detach() if local.requires_grad else local
         else:
-            buffer = torch.empty(tuple(local.shape), dtype=saved)
+            buffer = torch.empty(tuple(local.shape), dtype=saved, device="cpu")
         return cls(live, local, buffer, box)
 
     @classmethod
     def fresh(cls, meta: dict[str, Any]) -> "_Destination":
-        buffer = torch.empty(meta["shape"], dtype=dtype_from_name(meta["dtype"]))
+        buffer = torch.empty(meta["shape"], dtype=dtype_from_name(meta["dtype"]), device="cpu")
         return cls(None, buffer, buffer, Box((0,) * buffer.dim(), tuple(buffer.shape)))
 
     @classmethod
@@ -354,7 +354,7 @@ class _Destination:
         from torch.distributed.tensor import DTensor
 
         box = dtensor_box(template, name)
-        buffer = torch.empty(box.sizes, dtype=dtype_from_name(meta["dtype"]))
+        buffer = torch.empty(box.sizes, dtype=dtype_from_name(meta["dtype"]), device="cpu")
         dest = cls(None, buffer, buffer, box)
         device = local_tensor(template).device
         dest.value = DTensor.from_local(

@@ -218,7 +218,7 @@ class Flattened:
         if isinstance(obj, (bytes, bytearray)):
             if not self.saving:  # not a target: the saved bytes replace it (_restore._into)
                 return {"t": "v", "v": None}
-            data = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.empty(0, dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.empty(0, dtype=torch.uint8, device="cpu")
             return {**self.encode(data, path, expand_stateful=False), "bytes": type(obj).__name__}
         if scalar_set(obj):
             # in an order alike on every rank (ranks' trees are compared); a set's order is not

@@ -663,3 +663,33 @@ def test_objects_in_the_programs_own_dicts_and_lists_save_and_restore_in_place(r
         with pytest.raises(UnsupportedStateError, match=r"state\['holder/inner'\]: .*an object inside a state_dict\(\) "
                                                         r"is not saved through its own; return obj.state_dict\(\)"):
             ckpt.save(3, {"holder": _Giving({"inner": torch.nn.Linear(2, 2)})})
+
+
+def test_a_program_whose_default_device_is_not_the_cpu_saves_and_restores(root):
+    """``torch.set_default_device`` ("cuda" in some GPU code, "meta" for a model's
+    initialisation left on): the restore made its host buffers there, read nothing into
+    them, took the checkpoint for a truncated one and marked it bad, so no later restore
+    would take it. Host memory is now asked for on the CPU by name."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optim.step()
+    try:
+        torch.set_default_device("meta")
+        for staging in ("sync", "overlap"):
+            with Checkpointer(root, staging=staging, keep=None) as ckpt:
+                ckpt.save(1 if staging == "sync" else 2, {"model": model, "optim": optim,
+                                                          "extra": {"b": b"xy", "n": np.arange(3)}}).result()
+        fresh = torch.nn.Linear(64, 64, device="cpu")
+        fresh_optim = torch.optim.Adam(fresh.parameters())
+        state = {"model": fresh, "optim": fresh_optim, "extra": {}}
+        for step in (1, 2):
+            with Checkpointer(root) as ckpt:
+                assert ckpt.restore(state, step=step) == step
+            assert torch.equal(fresh.weight, model.weight)
+            assert torch.equal(fresh_optim.state[fresh.weight]["exp_avg"], optim.state[model.weight]["exp_avg"])
+            assert state["extra"]["b"] == b"xy" and state["extra"]["n"].tolist() == [0, 1, 2]
+    finally:
+        torch.set_default_device(None)
+    assert not os.path.exists(os.path.join(root, ".bad"))

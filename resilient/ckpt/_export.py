@@ -58,7 +58,7 @@ def _holds(fmt: str, dtype: str) -> bool:
     import torch
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    empty = {"x": torch.empty(0, dtype=dtype_from_name(dtype))}
+    empty = {"x": torch.empty(0, dtype=dtype_from_name(dtype), device="cpu")}
     try:
         if fmt == "torch":
             torch.save(empty, io.BytesIO())
@@ -85,7 +85,7 @@ def _scratch_tensor(scratch: str, index: int, meta: dict[str, Any]) -> torch.Ten
     dtype = dtype_from_name(meta["dtype"])
     numel = math.prod(meta["shape"])
     if numel == 0:
-        return torch.empty(meta["shape"], dtype=dtype)
+        return torch.empty(meta["shape"], dtype=dtype, device="cpu")
     path = os.path.join(scratch, f"{index}.bin")
     with open(path, "wb") as f:
         f.truncate(numel * dtype_itemsize(meta["dtype"]))
