@@ -87,6 +87,9 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 # Leaving the ``with`` block on an exception: a save in flight usually needs a peer that is
 # gone, and a launcher decides on recovery only once this process has exited.
 _EXIT_ON_ERROR_TIMEOUT = 5.0
+#: the longest a preempted first rank waits for the others to say they are leaving
+#: (``_depart_together``): they say it right after reading the step's outcome
+DEPART_WAIT_S = 10.0
 
 
 T = TypeVar("T")
@@ -695,11 +698,32 @@ class Checkpointer:
         deadline = started + grace_seconds()
         for ckpt in [c for c in list(_OPEN) if not c._closed and c._preempted_step is not None]:
             ckpt._drain_preempted(started, deadline)
+        self._depart_together(deadline)
         if watch is not None:
             watch.settled()
         for ckpt in list(_OPEN):  # the others' saves in flight, within what is left of the grace
             ckpt.close()
         raise SystemExit(0)
+
+    def _depart_together(self, deadline: float) -> None:
+        """The first rank leaves last, once every rank has said it is leaving (within the
+        grace, and ``DEPART_WAIT_S`` at most). Why: where the program made the process group
+        itself (Lightning's DDP, ``mp.spawn``: ``MASTER_PORT``), the store lives in rank 0's
+        process, and every rank reads the preempted step's outcome from it after rank 0 has
+        written it. Rank 0 exiting at once took the store with it while a slower rank was
+        still reading: "Connection reset by peer", a step committed everywhere reported
+        failed there, and that rank exited 1 (seen under a loaded CI)."""
+        coord = self._coord
+        if coord.world_size == 1:
+            return
+        key = f"departing/{self._preempted_step}"
+        try:
+            coord.publish(f"{key}/{coord.rank}", b"")
+            if coord.rank == coord.leaders[0]:
+                wait = max(0.0, min(DEPART_WAIT_S, deadline - time.monotonic()))
+                coord.collect([f"{key}/{rank}" for rank in range(coord.world_size)], wait)
+        except Exception as exc:  # noqa: BLE001 - a rank that is gone does not hold the others
+            log.info("resilient: preempted: leaving without every rank's word (%s)", exc)
 
     def _drain_preempted(self, started: float, deadline: float) -> None:
         """Commit this Checkpointer's preempted step and drain it, by ``deadline``."""

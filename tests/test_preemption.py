@@ -268,3 +268,14 @@ def test_a_signal_to_one_rank_is_agreed_by_every_rank_at_the_same_call(tmp_path)
     first = answers[0].index(True)
     assert first in (3, 4) and all(answers[0][first:]), answers
     assert all("preempted: step 8 of" in r.output for r in results), results[0].output[-2000:]
+
+
+def test_the_rank_holding_the_store_leaves_after_a_slow_rank_has_read_the_outcome(tmp_path):
+    """Rank 0 hosts the store here (``MASTER_PORT``, as under Lightning's DDP or
+    ``mp.spawn``). Rank 1 reads the preempted step's outcome late: rank 0 used to exit at
+    once and take the store with it, and rank 1 reported a committed step failed
+    ("Connection reset by peer") and exited 1. Both now exit 0, the step committed."""
+    results = run_ranks("preemption_seen_by_one_rank", 2, {"root": str(tmp_path / "ckpt"), "slow_reader": True},
+                        env={"RESILIENT_PREEMPT_GRACE": "60"})
+    assert all("preempted: step 8 of" in r.output for r in results), results[1].output[-2000:]
+    assert os.path.isdir(tmp_path / "ckpt" / "step-0000000008")

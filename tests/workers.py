@@ -533,6 +533,8 @@ def preemption_seen_by_one_rank(a: dict) -> None:
     import signal
 
     rank, _ = init()
+    if a.get("slow_reader") and rank == 1:
+        _read_outcomes_late(2.0)
     ckpt = Checkpointer(a["root"], every=10**9)
     answers = []
     for call in range(8):
@@ -542,6 +544,22 @@ def preemption_seen_by_one_rank(a: dict) -> None:
     print("ANSWERS " + json.dumps(answers), flush=True)
     ckpt.save(8, {"w": torch.ones(4)})
     raise AssertionError("the preempted save did not end the process")
+
+
+def _read_outcomes_late(seconds: float) -> None:
+    """This rank reads every save's outcome (the ``settled`` key) ``seconds`` late, as a
+    rank the machine's load holds back does: the store may be gone by then if its host
+    (rank 0 here, ``MASTER_PORT``) has already exited."""
+    from resilient._coord import StoreCoordinator
+
+    collect = StoreCoordinator.collect
+
+    def late(self, keys, timeout):  # noqa: ANN001, ANN202
+        if any(key.endswith("/settled") for key in keys):
+            time.sleep(seconds)
+        return collect(self, keys, timeout)
+
+    StoreCoordinator.collect = late
 
 
 def distributed_sampler_position(a: dict) -> None:
