@@ -101,6 +101,7 @@ class _NodesLoader:
     def load_state_dict(self, state: Any) -> None:
         self.loader.load_state_dict(state)
 
+
 def _make_resumed_iterator(loader: Any) -> None:
     """A StatefulDataLoader's iterator from the state just loaded, made now (its seed drawn
     before the restore sets the generators): the loader's next ``iter`` takes this one."""

@@ -73,9 +73,9 @@ def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
         t.untyped_storage().data_ptr()  # a wrapper's own data_ptr() is 0, not an error
     except RuntimeError:
         if whole is not t:  # FSDP2 with torchao's low-bit optimizer: its states are DTensors over them
-            return (f"it is a DTensor over a {type(t).__qualname__}, a tensor subclass whose parts are "
-                    "quantization blocks of this rank's shard, not shards of one tensor (a low-bit optimizer "
-                    "under FSDP2), which resilient does not save",
+            return (f"it is a DTensor over a {type(t).__qualname__}, a tensor subclass whose parts are this "
+                    "rank's own (a low-bit optimizer's state under FSDP2: quantization blocks of the rank's "
+                    "shard, not shards of one tensor), which resilient does not save",
                     "use a full-precision optimizer for sharded parameters, or the low-bit one without FSDP")
         return (f"it is a {type(t).__qualname__}, a tensor subclass without storage of its own that does not "
                 "say how to take it apart (__tensor_flatten__ and __tensor_unflatten__)",
@@ -218,7 +218,8 @@ class Flattened:
         if isinstance(obj, (bytes, bytearray)):
             if not self.saving:  # not a target: the saved bytes replace it (_restore._into)
                 return {"t": "v", "v": None}
-            data = torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.empty(0, dtype=torch.uint8, device="cpu")
+            data = (torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj
+                    else torch.empty(0, dtype=torch.uint8, device="cpu"))
             return {**self.encode(data, path, expand_stateful=False), "bytes": type(obj).__name__}
         if scalar_set(obj):
             # in an order alike on every rank (ranks' trees are compared); a set's order is not
@@ -233,7 +234,6 @@ class Flattened:
             f"state[{path!r}]: a value of type {type(obj).__module__}.{type(obj).__qualname__} "
             f"cannot be checkpointed without pickle; {_remedy(obj)}"
         )
-
 
     def _wrapped(self, obj: torch.Tensor, parts: tuple[list[str], Any], path: str) -> dict[str, Any]:
         """A wrapper subclass (``_subclasses``): its inner tensors under its name, its
