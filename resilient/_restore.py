@@ -64,7 +64,7 @@ from ._rng import decode_rng
 from ._saved_trees import partitioned_entries
 from ._tree import (build_value, child_path, flatten_target, is_stateful, per_rank_path, tensor_names,
                     without_plain_bytes)
-from ._wrappers import adapter_for, state_holder
+from ._wrappers import COMPILED_SEGMENT, adapter_for, load_module_state, state_holder
 from ._zero import others_state, zero_class
 
 __all__ = ["load_checkpoint", "OtherRankFailed"]
@@ -428,8 +428,8 @@ class _Entry:
             value = self.reshard(values, rank, world_size) if self.reshard is not None else values[0]
         if self.sources[0]["t"] in ("obj", "dict") and is_stateful(self.inner):
             with _refused_by(self.key, step, f"{self._class_name()}.load_state_dict"):
-                if isinstance(self.inner, torch.nn.Module) and not strict:
-                    self.inner.load_state_dict(value, strict=False)
+                if isinstance(self.inner, torch.nn.Module):
+                    load_module_state(self.inner, value, strict=strict)
                 else:
                     self.inner.load_state_dict(value)
         elif isinstance(self.target, PerRank):
@@ -456,7 +456,7 @@ def _into(live: Any, saved: Any, filled: set[int], strict: bool = True) -> Any:
         filled.add(id(live))
         holder = state_holder(live, saved)  # a wrapper's module (DDP, torch.compile), as at the top level
         if isinstance(holder, torch.nn.Module):
-            holder.load_state_dict(saved, strict=strict)
+            load_module_state(holder, saved, strict=strict)
         else:
             holder.load_state_dict(saved)
         return live
@@ -488,8 +488,11 @@ def _planned(key: str, target: Any, node: dict[str, Any], manifest: dict[str, An
              world_size: int) -> tuple["_Entry", str, dict[str, torch.Tensor], set[str]]:
     """(the entry's plan, its path, the target's tensors by name, the names ``node`` saved)."""
     entry, path = _plan_entry(key, target, node, manifest, rank, world_size)
-    targets = flatten_target(entry.inner, path) if path else {}
-    return entry, path, targets, {name for source in entry.sources for name in tensor_names(source)}
+    saved = {name for source in entry.sources for name in tensor_names(source)}
+    # an earlier version's checkpoint kept the _orig_mod. of blocks compiled one by one
+    plain_keys = not any(COMPILED_SEGMENT in name for name in saved)
+    targets = flatten_target(entry.inner, path, plain_keys) if path else {}
+    return entry, path, targets, saved
 
 
 def _warn_if_values_differ(key: str, manifest: dict[str, Any], rank: int, world_size: int,

@@ -29,7 +29,7 @@ from ._kinds import (FROM_TEXT, SCALARS, array_tensor, as_bytes, as_numpy, as_se
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
 from ._subclasses import class_name, rebuilt, wrapper_parts
-from ._wrappers import adapter_for, state_holder
+from ._wrappers import adapter_for, plain_module_keys, state_holder
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful",
            "per_rank_path", "tensor_names", "without_plain_bytes"]
@@ -126,10 +126,13 @@ def per_rank_path(key: str, rank: int) -> str:
 class Flattened:
     """The result of flattening: ``tree`` (JSON-able) and ``tensors`` (name -> tensor)."""
 
-    def __init__(self, *, saving: bool = True) -> None:
+    def __init__(self, *, saving: bool = True, plain_keys: bool = True) -> None:
         # Restore targets (saving=False) keep every tensor, savable or not: restore then
         # names the one it cannot fill, instead of rebuilding the whole entry around it.
         self.saving = saving
+        # modules' keys without the _orig_mod. of blocks compiled one by one (_wrappers);
+        # off for a restore target whose checkpoint holds them (an earlier version's)
+        self.plain_keys = plain_keys
         self.tree: dict[str, Any] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.per_rank: set[str] = set()  # names of tensors under PerRank entries
@@ -174,7 +177,10 @@ class Flattened:
         if holder is not None and not self.saving and getattr(holder, "holds_no_tensors", False):
             return {"t": "obj", "sd": {"t": "v", "v": None}}  # a restore target whose state_dict() acts (_loaders)
         if holder is not None:
-            return {"t": "obj", "sd": self.encode(_state_dict_of(holder, path), path, expand_stateful=False)}
+            state = _state_dict_of(holder, path)
+            if self.plain_keys and isinstance(holder, torch.nn.Module):
+                state = plain_module_keys(holder, state)
+            return {"t": "obj", "sd": self.encode(state, path, expand_stateful=False)}
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             # a config's dataclass: its fields as a dict, back into the program's instance
             obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
@@ -317,9 +323,9 @@ def flatten_state(state: Mapping[str, Any], rank: int = 0) -> Flattened:
     return flat
 
 
-def flatten_target(obj: Any, path: str) -> dict[str, torch.Tensor]:
+def flatten_target(obj: Any, path: str, plain_keys: bool = True) -> dict[str, torch.Tensor]:
     """Tensors of a restore target (after expanding ``state_dict``), by checkpoint name."""
-    flat = Flattened(saving=False)
+    flat = Flattened(saving=False, plain_keys=plain_keys)
     try:
         flat.encode(obj, path, expand_stateful=True)
     except UnsupportedStateError:

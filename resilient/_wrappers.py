@@ -25,7 +25,7 @@ from ._generators import stateful_generator
 from ._loaders import loader_adapter
 from ._zero import zero_adapter
 
-__all__ = ["state_holder", "adapter_for"]
+__all__ = ["state_holder", "adapter_for", "plain_module_keys", "load_module_state", "COMPILED_SEGMENT"]
 
 #: (the attribute holding the wrapped module, the prefix its keys get): torch.compile's
 #: wrapper, then DDP's and DataParallel's
@@ -92,3 +92,43 @@ def state_holder(obj: Any, saved_keys: Iterable[Any] | None = None) -> Any:
         if keys and all(isinstance(k, str) and k.startswith(prefix) for k in keys):
             return chain[level]
     return chain[-1]
+
+
+#: what a submodule compiled on its own adds to its keys (torch.compile per block)
+COMPILED_SEGMENT = "_orig_mod."
+
+
+def _plain_key(module: torch.nn.Module, key: str) -> str:
+    """``key`` of ``module``'s state without the ``_orig_mod`` of each compiled submodule it
+    passes through (a child of a plain module that is merely named so stays)."""
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    kept, current = [], module
+    for part in key.split("."):
+        inner = current._modules.get(part) if isinstance(current, torch.nn.Module) else None
+        if not (part == "_orig_mod" and isinstance(compiled, type) and isinstance(current, compiled)):
+            kept.append(part)
+        current = inner
+    return ".".join(kept)
+
+
+def plain_module_keys(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``module``'s ``state_dict`` with the ``_orig_mod.`` that submodules compiled one by
+    one put in the middle of their keys dropped (``layers.0._orig_mod.attn.weight`` becomes
+    ``layers.0.attn.weight``). Why: torchtitan's recipe compiles each block on its own, and
+    a checkpoint holding those keys restored only into a model compiled the same way, not
+    into the plain model of an evaluation or a run without compile (DCP's get_state_dict
+    drops them too). One substring test a key when no block is compiled."""
+    if not any(isinstance(key, str) and COMPILED_SEGMENT in key for key in state):
+        return state
+    return {(_plain_key(module, key) if isinstance(key, str) else key): value for key, value in state.items()}
+
+
+def load_module_state(module: torch.nn.Module, state: dict[str, Any], strict: bool = True) -> Any:
+    """``module.load_state_dict(state)``, each key of ``plain_module_keys`` given back its
+    ``_orig_mod.`` where the module's own keys have one (keys saved with it are left as they
+    are: a checkpoint of an earlier version)."""
+    live = [key for key in module.state_dict().keys() if COMPILED_SEGMENT in key]
+    if live:
+        own = {_plain_key(module, key): key for key in live}
+        state = {own.get(key, key): value for key, value in state.items()}
+    return module.load_state_dict(state, strict=strict)

@@ -153,3 +153,40 @@ def test_a_lazy_module_restores_before_its_first_forward_and_refuses_to_save_bef
     fresh.train()
     fresh(x).sum().backward()
     optim.step()
+
+
+def _blocks_compiled(seed):
+    """torchtitan's recipe: each block compiled on its own inside the plain model."""
+    model = _model(seed)
+    model[0] = torch.compile(model[0], backend="eager")  # Dynamo's own wrapper: no compiler is run here
+    model[2] = torch.compile(model[2], backend="eager")
+    return model
+
+
+def test_blocks_compiled_one_by_one_save_plain_keys_and_restore_either_way(root):
+    """Their keys held ``_orig_mod.`` in the middle (``0._orig_mod.weight``), and such a
+    checkpoint restored only into a model compiled the same way."""
+    saved = _blocks_compiled(1)
+    optim = _trained(saved)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": saved, "optim": optim}).result()
+    assert _saved_names(root, 1)[:4] == ["model/0.bias", "model/0.weight", "model/2.bias", "model/2.weight"]
+    for into in (_model(2), _blocks_compiled(2)):
+        fresh_optim = torch.optim.Adam(into.parameters(), lr=1e-2)
+        with Checkpointer(root) as ckpt:
+            assert ckpt.restore({"model": into, "optim": fresh_optim}) == 1
+        assert _same(saved, into)
+        assert torch.equal(fresh_optim.state[into[0].weight]["exp_avg"], optim.state[saved[0].weight]["exp_avg"])
+
+
+def test_a_checkpoint_with_the_blocks_orig_mod_keys_still_restores_into_the_same_model(root):
+    """As an earlier version saved such a model: the keys as its state_dict gives them."""
+    saved = _blocks_compiled(1)
+    _trained(saved)
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"model": dict(saved.state_dict())}).result()
+    assert "model/0._orig_mod.weight" in _saved_names(root, 1)
+    into = _blocks_compiled(2)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.restore({"model": into}) == 1
+    assert _same(saved, into)
