@@ -9,9 +9,9 @@ its inner tensors, which are written, checksummed and restored like any other, a
 flatten context as plain values (``_tree``'s "wrapped" node).
 
 What comes back: a restore fills the program's own subclass's inner tensors in place and
-wraps them in that class again. Where the program holds none (a freshly built optimizer
-makes its state at its first step) the class is rebuilt only if the program allows it for
-``torch.load(weights_only=True)`` (``torch.serialization.add_safe_globals``, which torchao
+wraps them in that class again. Where the program holds none there (a freshly built
+optimizer makes its state at its first step) the class is rebuilt only if the program holds
+it elsewhere in its state or allows it for ``torch.load(weights_only=True)`` (``torch.serialization.add_safe_globals``, which torchao
 does for its optimizer states): a checkpoint names the class, and naming one must never be
 enough to run its code. A subclass inside a DTensor (FSDP2 with such an optimizer) is not
 handled: its inner tensors are per-rank quantization blocks, not shards of one tensor.
@@ -27,6 +27,10 @@ from ._errors import StateError
 from ._snapshot import PLAIN_TYPES, is_dtensor
 
 __all__ = ["wrapper_parts", "class_name", "rebuilt"]
+
+#: the wrapper subclasses met in this program's own state (saved, or restored into): a
+#: restore may rebuild these, as the program made them itself
+_HELD: dict[str, type] = {}
 
 
 def wrapper_parts(t: torch.Tensor) -> tuple[list[str], Any] | None:
@@ -48,11 +52,6 @@ def wrapper_parts(t: torch.Tensor) -> tuple[list[str], Any] | None:
     names, context = t.__tensor_flatten__()
     _HELD.setdefault(class_name(cls), cls)
     return list(names), context
-
-
-#: the wrapper subclasses met in this program's own state (saved, or restored into): a
-#: restore may rebuild these, as the program made them itself
-_HELD: dict[str, type] = {}
 
 
 def class_name(cls: type) -> str:

@@ -11,7 +11,8 @@ returned the step. DCP's ``get_state_dict`` and Lightning drop these prefixes to
 So a save takes the state of the innermost module, and a restore loads into the level of
 the wrapping whose keys the checkpoint holds: the innermost for checkpoints saved this way,
 or the wrapper itself for one that an earlier version saved from a wrapper (all its keys
-carry the prefix), which then restores as it did before.
+carry the prefix), which then restores as it did before. Blocks compiled one by one inside
+a model put the same prefix in the middle of their keys: dropped too (``plain_module_keys``).
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ def _wrapper_types() -> dict[type, tuple[str, str]]:
         torch.nn.parallel.DistributedDataParallel: _BY_ATTRIBUTE[1],
         torch.nn.DataParallel: _BY_ATTRIBUTE[1],
     }
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    compiled = getattr(dynamo, "OptimizedModule", None)
-    if isinstance(compiled, type):
+    compiled = _compiled_class()
+    if compiled is not None:
         types[compiled] = _BY_ATTRIBUTE[0]
     return types
+
+
+def _compiled_class() -> type | None:
+    """torch.compile's module wrapper, where its module is loaded (see ``_wrapper_types``)."""
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return compiled if isinstance(compiled, type) else None
 
 
 def _levels(obj: Any) -> tuple[list[Any], list[str]]:
@@ -94,20 +100,18 @@ def state_holder(obj: Any, saved_keys: Iterable[Any] | None = None) -> Any:
     return chain[-1]
 
 
-#: what a submodule compiled on its own adds to its keys (torch.compile per block)
-COMPILED_SEGMENT = "_orig_mod."
+#: what a submodule compiled on its own puts in its keys (torch.compile per block)
+COMPILED_ATTRIBUTE, COMPILED_SEGMENT = _BY_ATTRIBUTE[0]
 
 
-def _plain_key(module: torch.nn.Module, key: str) -> str:
+def _plain_key(module: torch.nn.Module, key: str, compiled: type) -> str:
     """``key`` of ``module``'s state without the ``_orig_mod`` of each compiled submodule it
     passes through (a child of a plain module that is merely named so stays)."""
-    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     kept, current = [], module
     for part in key.split("."):
-        inner = current._modules.get(part) if isinstance(current, torch.nn.Module) else None
-        if not (part == "_orig_mod" and isinstance(compiled, type) and isinstance(current, compiled)):
+        if not (part == COMPILED_ATTRIBUTE and isinstance(current, compiled)):
             kept.append(part)
-        current = inner
+        current = current._modules.get(part) if isinstance(current, torch.nn.Module) else None
     return ".".join(kept)
 
 
@@ -118,17 +122,20 @@ def plain_module_keys(module: torch.nn.Module, state: dict[str, Any]) -> dict[st
     a checkpoint holding those keys restored only into a model compiled the same way, not
     into the plain model of an evaluation or a run without compile (DCP's get_state_dict
     drops them too). One substring test a key when no block is compiled."""
-    if not any(isinstance(key, str) and COMPILED_SEGMENT in key for key in state):
+    compiled = _compiled_class()
+    if compiled is None or not any(isinstance(key, str) and COMPILED_SEGMENT in key for key in state):
         return state
-    return {(_plain_key(module, key) if isinstance(key, str) else key): value for key, value in state.items()}
+    return {(_plain_key(module, key, compiled) if isinstance(key, str) else key): value
+            for key, value in state.items()}
 
 
 def load_module_state(module: torch.nn.Module, state: dict[str, Any], strict: bool = True) -> Any:
     """``module.load_state_dict(state)``, each key of ``plain_module_keys`` given back its
     ``_orig_mod.`` where the module's own keys have one (keys saved with it are left as they
     are: a checkpoint of an earlier version)."""
-    live = [key for key in module.state_dict().keys() if COMPILED_SEGMENT in key]
+    compiled = _compiled_class()
+    live = [key for key in module.state_dict().keys() if COMPILED_SEGMENT in key] if compiled is not None else []
     if live:
-        own = {_plain_key(module, key): key for key in live}
+        own = {_plain_key(module, key, compiled): key for key in live}
         state = {own.get(key, key): value for key, value in state.items()}
     return module.load_state_dict(state, strict=strict)
