@@ -7,7 +7,8 @@ field by field before use, so a damaged or hostile manifest is an error that nam
 field, not a crash deep in the loader.
 
 Version 4 layout (``docs/format.md`` has the prose; version 5 is 4 where a tree holds a
-tensor subclass's parts, a "wrapped" node, ``_subclasses``; versions 3, 2 and 1 are still read:
+tensor subclass's parts, a "wrapped" node, ``_subclasses``, and 6 is 5 where such a node
+lists parts saved as views of blocks, ``blocks``; versions 3, 2 and 1 are still read:
 3 kept each file's chunk table in ``files``, 2 also every RNG state in ``rngs``, 1 also
 listed every box on its own and each rank's tree and RNG state in ``ranks``)::
 
@@ -71,10 +72,12 @@ __all__ = [
 ]
 
 FORMAT = "resilient.checkpoint"
-#: what this version writes: 5 where a tree holds a tensor subclass's parts (a "wrapped"
-#: node, which a reader of 4 would not know), otherwise 4 (``written_version``)
-VERSION = 5
-READ_VERSIONS = (1, 2, 3, 4, 5)
+#: what this version writes: 6 where a tensor subclass's parts are saved as views of blocks
+#: (a "wrapped" node's ``blocks``: sharded low-bit optimizer state), 5 where a tree holds a
+#: tensor subclass's parts otherwise (a "wrapped" node, which a reader of 4 would not know),
+#: otherwise 4 (``written_version``)
+VERSION = 6
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 MANIFEST = "manifest.json"
 REMOTE_RECORD = ".remote.json"  # in a local root: the remote tier's URL, never credentials
 BAD_DIR = ".bad"  # <root>/.bad/step-…: a committed step that failed verification (its reason)
@@ -127,9 +130,13 @@ def dtype_from_name(name: str) -> torch.dtype:
 def written_version(trees: list[bytes]) -> int:
     """The format a manifest of these JSON trees is written in: 5 only where one holds a
     wrapped tensor subclass, so that a resilient reading 4 refuses it as newer (asking for
-    an upgrade) rather than load the parts as a dict, and reads every other checkpoint as
-    before. The match is exact: a quote inside a JSON string is escaped."""
-    return VERSION if any(b'"t":"wrapped"' in tree for tree in trees) else 4
+    an upgrade) rather than load the parts as a dict, 6 where such parts are views of
+    blocks, which a reader of 5 would hand to the class in that shape; every other
+    checkpoint is read as before. The match is exact: a quote inside a JSON string is
+    escaped, and ``"blocks":`` is a key only a wrapped node has."""
+    if not any(b'"t":"wrapped"' in tree for tree in trees):
+        return 4
+    return VERSION if any(b'"blocks":' in tree for tree in trees) else 5
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
@@ -415,6 +422,12 @@ def _check_tree(root: dict[str, Any], tensors: dict[str, Any], where: str, field
                 _fail(where, field, "has a wrapped tensor without its class and name")
             _ints(node.get("shape"), where, field)
             _ints(node.get("stride"), where, field)
+            blocks = node.get("blocks", [])
+            items = node.get("items")
+            named = ({item[0] for item in items if isinstance(item, list) and item and isinstance(item[0], str)}
+                     if isinstance(items, list) else set())
+            if not (isinstance(blocks, list) and all(isinstance(b, str) and b in named for b in blocks)):
+                _fail(where, field, "has a wrapped tensor whose blocks are not names of its parts")
             stack.append((node.get("ctx"), depth + 1))
             stack.append(({"t": "dict", "items": node.get("items")}, depth + 1))
         else:

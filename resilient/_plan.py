@@ -215,6 +215,29 @@ def _refuse_one_name_for_two_tensors(descriptions: list[Description]) -> None:
                 "different parameters")
 
 
+def _refuse_parts_beside_whole(descriptions: list[Description]) -> None:
+    """Raise, on every rank alike, when a name is one tensor on some ranks and a tensor
+    subclass's parts on others (``name`` and ``name/codes``): no reader could fill either
+    from the other, and the checkpoint would be committed unloadable. The cause is a
+    low-bit optimizer (torchao's) under FSDP2, which quantizes a shard only where it has at
+    least 4096 values and whole blocks: a parameter with few rows leaves some ranks a small
+    or empty shard, kept in full precision, and others a quantized one."""
+    where: dict[str, int] = {}
+    for name, _, _, _, rank in _tensors(descriptions):
+        where.setdefault(name, rank)
+    for name, rank in where.items():
+        whole = name.rpartition("/")[0]
+        if whole in where:
+            parts = sorted(n.rpartition("/")[2] for n in where if n.rpartition("/")[0] == whole)
+            raise UnsupportedStateError(
+                f"state[{whole!r}] is one tensor on rank {where[whole]} and a tensor subclass's parts "
+                f"({', '.join(parts)}) on rank {rank}: a low-bit optimizer quantizes only shards of at least "
+                "4096 values made of whole blocks, and this parameter's shards differ across ranks, so its state "
+                "cannot be saved as one tensor. Give every rank a shard that is quantized alike: a world size "
+                "that divides its first dimension, fully_shard(..., shard_placement_fn=...) to shard it along "
+                "another dimension, or a full-precision optimizer for it")
+
+
 @dataclass
 class _Unit:
     """Tensors of one size, each a box that the same ranks hold: what writers are chosen for."""
@@ -345,6 +368,7 @@ def plan_rank(
     sharded tensor of one box. The manifest's tensors are every rank's, so every rank
     computes the same ``meta``, whatever part of it this rank holds."""
     _refuse_one_name_for_two_tensors(descriptions)
+    _refuse_parts_beside_whole(descriptions)
     _refuse_rank_dependent(descriptions)
     everywhere = _held_by_all(descriptions)
     mine = _written_by(rank, _units(descriptions, everywhere), world_size)

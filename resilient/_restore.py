@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import os
 import socket
 import threading
@@ -62,8 +63,9 @@ from ._snapshot import bitwise, dtensor_box, is_dtensor, local_tensor, storage_s
 from ._per_rank import PerRank, Reshard
 from ._rng import decode_rng
 from ._saved_trees import partitioned_entries
+from ._subclasses import blocks_template
 from ._tree import (build_value, child_path, flatten_target, is_stateful, per_rank_path, tensor_names,
-                    without_plain_bytes)
+                    without_plain_bytes, wrapped_parts)
 from ._wrappers import COMPILED_SEGMENT, adapter_for, load_module_state, state_holder
 from ._zero import others_state, zero_class
 
@@ -736,6 +738,10 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
             targets = {name: t for name, t in targets.items() if name in saved_names}
             if live and saved_names and not targets:
                 _warn_nothing_matched(key, step, sorted(live), sorted(saved_names))
+        # a tensor subclass's parts (format 5 on): walked for only where there can be some
+        parts, blocks = wrapped_parts(entry.sources[0]) if manifest.get("version", 1) >= 5 else (set(), set())
+        if parts:
+            targets = _in_saved_shapes(targets, parts, tensors_meta)
         # a module that loads its own way may take a tensor of the checkpoint's shape, not its
         # own (read fresh, for its load_state_dict), and may hold one the checkpoint lacks (a
         # longer list state, which its load_state_dict replaces)
@@ -786,6 +792,9 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                 destinations[name] = _Destination.into(targets[name], name, dtype_from_name(meta["dtype"]))
             elif name in templates and list(templates[name].shape) == meta["shape"]:
                 destinations[name] = _Destination.placed_like(templates[name], meta, name)
+            elif name in templates and name in blocks and (
+                    template := blocks_template(templates[name], meta["shape"], name)) is not None:
+                destinations[name] = _Destination.placed_like(template, meta, name)  # a low-bit state's scales
             else:
                 destinations[name] = _Destination.fresh(meta)
     for name, param in lazy.items():
@@ -801,6 +810,19 @@ def _check_and_place(state: MutableMapping[str, Any], manifest: dict[str, Any], 
                     "not restored (name it in the state, or pass strict=False to restore a part on purpose)",
                     step, ", ".join(map(repr, unasked)))
     return destinations, entries, record
+
+
+def _in_saved_shapes(targets: dict[str, torch.Tensor], parts: set[str],
+                     tensors_meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``targets``, a tensor subclass's part in the shape it was saved in where that is
+    another view of the same elements: block scales are saved as views of blocks since
+    format 6 and flat before it, and a program's class holds them flat."""
+    for name in parts & targets.keys():
+        target, meta = targets[name], tensors_meta.get(name)
+        if (meta is not None and not is_dtensor(target) and list(target.shape) != meta["shape"]
+                and target.numel() == math.prod(meta["shape"]) and target.is_contiguous()):
+            targets[name] = target.view(meta["shape"])
+    return targets
 
 
 def _loads_its_own_way(entry: _Entry, path: str, name: str) -> bool:

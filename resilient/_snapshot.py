@@ -25,7 +25,7 @@ from ._fence import CopyProgress, CopyThread, StagingFence, register
 from ._hostmem import HostBuffer, can_populate, populate
 from ._layout import Box, shard_box, sharding_order
 
-__all__ = ["Blob", "RankPlan", "Staging", "is_dtensor", "dtensor_box", "byte_view", "bitwise", "local_tensor",
+__all__ = ["Blob", "RankPlan", "Staging", "is_dtensor", "dtensor_box", "placed_box", "byte_view", "bitwise", "local_tensor",
            "storage_shortfall"]
 
 log = logging.getLogger("resilient")
@@ -82,24 +82,29 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def dtensor_box(t: torch.Tensor, name: str) -> Box:
     """The box of the global tensor this rank holds (replicas hold the same box)."""
-    mesh = t.device_mesh
+    box = placed_box(tuple(t.shape), t.device_mesh, tuple(t.placements), name)
+    local_shape = tuple(local_tensor(t).shape)
+    if local_shape != box.sizes:
+        raise UnsupportedStateError(
+            f"state[{name!r}]: local shard has shape {list(local_shape)} but placements "
+            f"{list(t.placements)} imply {list(box.sizes)}"
+        )
+    return box
+
+
+def placed_box(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], name: str) -> Box:
+    """The box this rank holds of a tensor of ``shape`` placed so on ``mesh``: a DTensor's,
+    or one about to be made (a low-bit optimizer state's parts, ``_subclasses``)."""
     coord = mesh.get_coordinate()
     if coord is None:
         raise UnsupportedStateError(f"state[{name!r}]: this rank is not part of the tensor's mesh")
-    placements = tuple(t.placements)
-    key = (tuple(t.shape), tuple(mesh.shape), tuple(coord), placements)
+    key = (shape, tuple(mesh.shape), tuple(coord), placements)
     try:
         box = _placed_box(*key)
     except TypeError:  # a placement that cannot be hashed: worked out each time
         box = _placed_box.__wrapped__(*key)
     if isinstance(box, str):
         raise UnsupportedStateError(f"state[{name!r}]: {box}")
-    local_shape = tuple(local_tensor(t).shape)
-    if local_shape != box.sizes:
-        raise UnsupportedStateError(
-            f"state[{name!r}]: local shard has shape {list(local_shape)} but placements "
-            f"{list(placements)} imply {list(box.sizes)}"
-        )
     return box
 
 

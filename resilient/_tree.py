@@ -28,11 +28,11 @@ from ._kinds import (FROM_TEXT, SCALARS, array_tensor, as_bytes, as_numpy, as_se
                      scalar_set, text_kind)
 from ._per_rank import PerRank
 from ._snapshot import PLAIN_TYPES, local_tensor
-from ._subclasses import class_name, rebuilt, wrapper_parts
+from ._subclasses import SavedParts, class_name, rebuilt, saved_parts
 from ._wrappers import adapter_for, plain_module_keys, state_holder
 
 __all__ = ["Flattened", "flatten_state", "flatten_target", "build_value", "child_path", "is_stateful",
-           "per_rank_path", "tensor_names", "without_plain_bytes"]
+           "per_rank_path", "tensor_names", "without_plain_bytes", "wrapped_parts"]
 
 #: torch's dtypes that the format can name (a set lookup per tensor on the save's path)
 _SAVABLE_DTYPES = frozenset(getattr(torch, name) for name in DTYPE_ITEMSIZE if hasattr(torch, name))
@@ -72,10 +72,10 @@ def without_plain_bytes(t: torch.Tensor) -> tuple[str, str] | None:
     try:
         t.untyped_storage().data_ptr()  # a wrapper's own data_ptr() is 0, not an error
     except RuntimeError:
-        if whole is not t:  # FSDP2 with torchao's low-bit optimizer: its states are DTensors over them
-            return (f"it is a DTensor over a {type(t).__qualname__}, a tensor subclass whose parts are this "
-                    "rank's own (a low-bit optimizer's state under FSDP2: quantization blocks of the rank's "
-                    "shard, not shards of one tensor), which resilient does not save",
+        if whole is not t:  # placeable ones (FSDP2 with torchao's low-bit optimizer) are saved by parts
+            return (f"it is a DTensor over a {type(t).__qualname__}, a tensor subclass whose parts cannot be "
+                    "placed as shards (the class does not slice along rows, or its blocks straddle what is "
+                    "sharded)",
                     "use a full-precision optimizer for sharded parameters, or the low-bit one without FSDP")
         return (f"it is a {type(t).__qualname__}, a tensor subclass without storage of its own that does not "
                 "say how to take it apart (__tensor_flatten__ and __tensor_unflatten__)",
@@ -150,7 +150,7 @@ class Flattened:
 
     def encode(self, obj: Any, path: str, *, expand_stateful: bool) -> dict[str, Any]:
         if isinstance(obj, torch.Tensor):
-            parts = wrapper_parts(obj) if type(obj) not in PLAIN_TYPES else None
+            parts = saved_parts(obj, path, saving=self.saving) if type(obj) not in PLAIN_TYPES else None
             if parts is not None:
                 return self._wrapped(obj, parts, path)
             unplain = without_plain_bytes(obj) if self.saving else None
@@ -241,29 +241,35 @@ class Flattened:
             f"cannot be checkpointed without pickle; {_remedy(obj)}"
         )
 
-    def _wrapped(self, obj: torch.Tensor, parts: tuple[list[str], Any], path: str) -> dict[str, Any]:
-        """A wrapper subclass (``_subclasses``): its inner tensors under its name, its
-        flatten context as plain values, checked to come back equal, since the class is
-        rebuilt from it."""
-        names, context = parts
-        cls = class_name(type(obj))
-        if self.saving:
+    def _wrapped(self, obj: torch.Tensor, parts: SavedParts, path: str) -> dict[str, Any]:
+        """A wrapper subclass (``_subclasses``), or a DTensor over one: its parts under its
+        name, its flatten context as plain values, checked to come back equal, since the
+        class is rebuilt from it; ``blocks`` names the parts saved as a view of blocks."""
+        cls = class_name(type(local_tensor(obj)))
+        if self.saving and parts.saved_context is not None:
+            saved_context = parts.saved_context
+        elif self.saving:
             scratch = Flattened()
             try:
-                saved_context = scratch.encode(context, path, expand_stateful=False)
+                saved_context = scratch.encode(parts.context, path, expand_stateful=False)
             except UnsupportedStateError:
                 saved_context = None
-            if saved_context is None or scratch.tensors or build_value(saved_context, lambda name: None) != context:
+            if (saved_context is None or scratch.tensors
+                    or build_value(saved_context, lambda name: None) != parts.context):
                 raise UnsupportedStateError(
-                    f"state[{path!r}]: a {cls}'s flatten context ({str(context)[:200]}) is not plain values "
+                    f"state[{path!r}]: a {cls}'s flatten context ({str(parts.context)[:200]}) is not plain values "
                     "(numbers, strings, dtypes, lists, dicts), so it cannot be checkpointed without pickle"
                 )
+            parts.saved_context = saved_context
         else:
             saved_context = {"t": "v", "v": None}  # a restore target's inner tensors are what count
-        items = [[name, self.encode(getattr(obj, name), child_path(path, name), expand_stateful=False)]
-                 for name in names]
-        return {"t": "wrapped", "class": cls, "name": path, "shape": list(obj.shape), "stride": list(obj.stride()),
+        items = [[name, self.encode(parts.items[name], child_path(path, name), expand_stateful=False)]
+                 for name in parts.names]
+        node = {"t": "wrapped", "class": cls, "name": path, "shape": list(obj.shape), "stride": list(obj.stride()),
                 "ctx": saved_context, "items": items}
+        if parts.blocks:
+            node["blocks"] = list(parts.blocks)
+        return node
 
 
 def _held(value: Any, expand_stateful: bool) -> Any:
@@ -342,6 +348,28 @@ def tensor_names(node: dict[str, Any]) -> list[str]:
     return names
 
 
+def wrapped_parts(node: dict[str, Any]) -> tuple[set[str], set[str]]:
+    """(names of the tensors a saved tree holds as a tensor subclass's parts, those of them
+    saved as views of blocks, ``_subclasses``)."""
+    parts: set[str] = set()
+    blocks: set[str] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        kind = current["t"]
+        if kind == "wrapped":
+            names = {name: child["name"] for name, child in current["items"] if child["t"] == "tensor"}
+            parts |= set(names.values())
+            blocks |= {names[name] for name in current.get("blocks", []) if name in names}
+        elif kind in ("obj", "per_rank"):
+            stack.append(current["sd"])
+        elif kind == "dict":
+            stack += [child for _, child in current["items"]]
+        elif kind in ("list", "tuple"):
+            stack += current["items"]
+    return parts, blocks
+
+
 def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, kinds: bool = True) -> Any:
     """Rebuild a Python value from a skeleton node, asking ``tensor(name)`` for tensors.
     numpy's arrays, bytes and sets come back as such, or, unless ``kinds``, as the tensors
@@ -368,7 +396,7 @@ def build_value(node: dict[str, Any], tensor: Callable[[str], torch.Tensor], *, 
         if not kinds:
             return inner
         return rebuilt(node["class"], inner, build_value(node["ctx"], tensor), node["shape"], node["stride"],
-                       node["name"])
+                       node["name"], node.get("blocks", []))
     raise ValueError(f"unknown node type {kind!r} in checkpoint tree")
 
 

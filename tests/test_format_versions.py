@@ -258,7 +258,7 @@ def test_a_manifest_of_a_newer_format_is_refused_not_stepped_back_from(root):
     back = {"w": torch.zeros(3)}
     with Checkpointer(root) as ckpt:
         with pytest.raises(CheckpointCorruptError, match=rf"step-0000000002.*written by a newer resilient \(checkpoint "
-                                                         rf"format {VERSION + 1}; this one reads formats 1, 2, 3, 4, 5\)"):
+                                                         rf"format {VERSION + 1}; this one reads formats 1, 2, 3, 4, 5, 6\)"):
             ckpt.restore(back)
         assert back["w"].tolist() == [0.0] * 3
         assert ckpt.restore(back, step=1) == 1 and back["w"].tolist() == [1.0] * 3

@@ -63,16 +63,24 @@ def _mutations() -> dict:
         "wrapped_shape_a_string": lambda m: _as_wrapped(m, shape="*"),
         "wrapped_class_a_number": lambda m: _as_wrapped(m, cls=7),
         "wrapped_items_not_a_list": lambda m: _as_wrapped(m, items={"payload": "w"}),
+        # parts saved as views of blocks (format 6) naming what is not a part
+        "wrapped_blocks_not_a_part": lambda m: _as_wrapped(m, blocks=["scale"]),
+        "wrapped_blocks_a_string": lambda m: _as_wrapped(m, blocks="payload"),
+        "wrapped_blocks_a_list_key": lambda m: _as_wrapped(m, items=[[["payload"], {"t": "v", "v": 1}]],
+                                                           blocks=["payload"]),
     }
 
 
-def _as_wrapped(m: dict, cls="tests.wrapped_tensors.Scaled", shape=(256,), items=None) -> None:
-    """w's tree node as a wrapped subclass holding w as its payload (format 5), as given."""
-    m["version"] = 5
+def _as_wrapped(m: dict, cls="tests.wrapped_tensors.Scaled", shape=(256,), items=None, blocks=None) -> None:
+    """w's tree node as a wrapped subclass holding w as its payload (format 5; 6 with
+    ``blocks``), as given."""
+    m["version"] = 5 if blocks is None else 6
     node = m["trees"][0]["items"][0][1]
     m["trees"][0]["items"][0][1] = {"t": "wrapped", "class": cls, "name": "w",
                                     "shape": shape if isinstance(shape, str) else list(shape), "stride": [1],
                                     "ctx": {"t": "v", "v": None}, "items": [["payload", node]] if items is None else items}
+    if blocks is not None:
+        m["trees"][0]["items"][0][1]["blocks"] = blocks
 
 
 def _footer_damage() -> dict:

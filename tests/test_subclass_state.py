@@ -13,7 +13,7 @@ import torch
 
 from resilient import Checkpointer, StateError, UnsupportedStateError
 from resilient._format import MANIFEST, step_dir_name
-from tests.wrapped_tensors import Scaled, scaled
+from tests.wrapped_tensors import Scaled, Viewable, scaled
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -70,7 +70,8 @@ def test_adamw8bit_resumed_into_a_fresh_optimizer_takes_the_same_next_step(root)
             ckpt.save(3).result()
         with open(os.path.join(root, step_dir_name(3), MANIFEST)) as f:
             manifest = json.load(f)
-        assert manifest["version"] == 5  # a reader of format 4 asks for an upgrade instead of misreading it
+        assert manifest["version"] == 6  # a reader of format 4 or 5 asks for an upgrade instead of misreading it
+        assert manifest["tensors"]["optim/state/0/exp_avg/scale"]["shape"] == [64, 1]  # blocks of a row of 128
         assert {"optim/state/0/exp_avg/codes", "optim/state/0/exp_avg/scale",
                 "optim/state/0/exp_avg/qmap"} <= manifest["tensors"].keys()
 
@@ -87,6 +88,44 @@ def test_adamw8bit_resumed_into_a_fresh_optimizer_takes_the_same_next_step(root)
             assert ckpt.restore() == 3
         assert _same_state(saved, _optimizer_state(fresh_optim))
 
+
+
+def test_a_format_5_checkpoint_with_flat_scales_still_restores(root):
+    """Format 5 (the release before) saved block scales flat, as the class holds them;
+    format 6 saves them as views of blocks (``[64, 1]``), which sharded state needs. A
+    format 5 checkpoint restores into a fresh optimizer and in place as before."""
+    torchao_optim = pytest.importorskip("torchao.optim")
+    with torch.compiler.set_stance("force_eager"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(128, 64)
+        optim = torchao_optim.AdamW8bit(model.parameters(), lr=1e-2, block_size=128)
+        model(torch.randn(4, 128)).square().mean().backward()
+        optim.step()
+        saved = _optimizer_state(optim)
+        with Checkpointer(root, state={"model": model, "optim": optim}) as ckpt:
+            ckpt.save(1).result()
+        path = os.path.join(root, step_dir_name(1), MANIFEST)
+        with open(path) as f:
+            manifest = json.load(f)
+        assert manifest["version"] == 6
+        for name, meta in manifest["tensors"].items():
+            if name.endswith("/scale"):
+                meta["shape"] = [64]
+                for box in meta["boxes"]:
+                    box["offsets"], box["sizes"] = [0], [64]
+        text = json.dumps({**manifest, "version": 5}).replace(',"blocks":["scale"]', "").replace(
+            ', "blocks": ["scale"]', "")
+        assert '"blocks"' not in text
+        with open(path, "w") as f:
+            f.write(text)
+
+        fresh = torch.nn.Linear(128, 64)
+        fresh_optim = torchao_optim.AdamW8bit(fresh.parameters(), lr=1e-2, block_size=128)
+        for _ in range(2):  # into a fresh optimizer, then in place
+            with Checkpointer(root, state={"model": fresh, "optim": fresh_optim}) as ckpt:
+                assert ckpt.restore() == 1
+            assert _same_state(saved, _optimizer_state(fresh_optim))
+            assert fresh_optim.state[fresh.weight]["exp_avg"].scale.shape == (64,)
 
 
 def test_overlapped_staging_copies_a_low_bit_state_while_training_goes_on(root):
@@ -145,7 +184,7 @@ def test_a_class_the_program_neither_holds_nor_allows_is_not_rebuilt(root):
     program = f"""
 import torch
 from resilient import Checkpointer, StateError
-from tests.wrapped_tensors import Scaled, scaled
+from tests.wrapped_tensors import Scaled, Viewable, scaled
 try:
     with Checkpointer({str(root)!r}, state={{"extra": {{}}}}) as ckpt:
         ckpt.restore()
@@ -185,10 +224,11 @@ def test_a_checkpoint_naming_another_class_gets_a_refusal_not_that_class(root):
             ckpt.restore()
 
 
-def test_under_fsdp2_a_dtensor_over_a_low_bit_state_is_refused_naming_the_key():
-    """FSDP2 with AdamW8bit: each state is a DTensor over the subclass, whose parts are
-    quantization blocks of the rank's shard, not shards of one tensor: refused by name
-    rather than saved as something that would not restore at another world size."""
+def test_sharded_wrappers_whose_parts_cannot_be_placed_are_refused_naming_the_key():
+    """A DTensor over a wrapper is saved as shards of its parts only where they can be
+    placed: the class must say, by its slice along rows, which part holds blocks and which
+    is a table (``Scaled`` has no slice), and blocks must lie within what is sharded (a
+    shard of 64 columns cannot hold blocks of 128). Each is refused by name at the save."""
     subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -199,9 +239,78 @@ def test_under_fsdp2_a_dtensor_over_a_low_bit_state_is_refused_naming_the_key():
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        local = subclass_8bit.OptimState8bit.zeros((64, 128), signed=True, block_size=128)
-        state = DTensor.from_local(local, init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False)
-        with pytest.raises(UnsupportedStateError, match=r"state\['optim/m'\]: it is a DTensor over a OptimState8bit"):
+        mesh = init_device_mesh("cpu", (2,))
+        columns = subclass_8bit.OptimState8bit.zeros((64, 64), signed=True, block_size=128)
+        state = DTensor.from_local(columns, mesh, [Shard(1)], shape=torch.Size([64, 128]), stride=(128, 1),
+                                   run_check=False)
+        with pytest.raises(UnsupportedStateError, match=r"state\['optim/m'\]: .* part 'scale' holds one value per "
+                                                        r"128 elements, and blocks of 128 do not divide"):
+            flatten_state({"optim": {"m": state}})
+        local = scaled(0)
+        state = DTensor.from_local(Viewable(local.payload, local.scale, local.note), mesh, [Shard(0)],
+                                   shape=torch.Size([8, 6]), stride=(6, 1), run_check=False)
+        with pytest.raises(UnsupportedStateError, match=r"state\['optim/m'\]: it is a DTensor over a Viewable .* "
+                                                        r"cannot be told apart"):
             flatten_state({"optim": {"m": state}})
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp2_low_bit(tmp_path_factory):
+    """saved world -> the arguments of its FSDP2 + AdamW8bit run, made once."""
+    pytest.importorskip("torchao.optim")
+    from .launch import run_ranks
+
+    runs: dict[int, dict] = {}
+
+    def get(world: int) -> dict:
+        if world not in runs:
+            d = tmp_path_factory.mktemp(f"low-bit-{world}")
+            args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt")}
+            results = run_ranks("save", world, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"},
+                                timeout=150)
+            assert all(f"saved at world {world}" in r.output for r in results)
+            runs[world] = args
+        return runs[world]
+
+    return get
+
+
+@pytest.mark.parametrize("saved_world,world,sharded", [(2, 2, True), (2, 3, True), (2, 1, True), (2, 1, False),
+                                                       (3, 2, True)])
+def test_fsdp2_with_adamw8bit_resumes_at_any_world_size_and_without_fsdp(fsdp2_low_bit, saved_world, world,
+                                                                        sharded):
+    """FSDP2 with torchao's AdamW8bit: each quantized state is a DTensor over an
+    OptimState8bit. Before, the save was refused ("a DTensor over a OptimState8bit"), so
+    such a run had no checkpoint (DCP saves it). Now its codes and block scales are shards
+    like the parameter's: restored into a fresh optimizer at 1, 2 or 3 ranks, or without
+    FSDP, the state is the saved one and the next step is a twin's, the twin given that
+    state by torchao's own slicing."""
+    from .launch import run_ranks
+
+    args = {**fsdp2_low_bit(saved_world), "sharded": sharded}
+    env = {"FORCE_DIST": "1"} if sharded else {}
+    for result in run_ranks("resume", world, args, module="tests.low_bit_workers", env=env, timeout=150):
+        assert f"resumed at world {world}" in result.output, result.output[-2000:]
+
+
+def test_fsdp2_low_bit_state_with_overlapped_staging_restores_in_place(tmp_path):
+    pytest.importorskip("torchao.optim")
+    from .launch import run_ranks
+
+    args = {"root": str(tmp_path / "ckpt"), "reference": str(tmp_path / "reference.pt"), "staging": "overlap"}
+    results = run_ranks("save", 2, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"}, timeout=150)
+    assert all("saved at world 2" in r.output for r in results)
+
+
+def test_a_state_quantized_on_some_ranks_only_is_refused_before_anything_is_written(tmp_path):
+    """torchao quantizes a shard only with >= 4096 values: 7 rows of 2048 on 3 ranks leave
+    the last rank's shard (1 row) in full precision. Saved as it was, the checkpoint was
+    committed and then refused by every restore (its codes cover 6 of 7 rows)."""
+    pytest.importorskip("torchao.optim")
+    from .launch import run_ranks
+
+    results = run_ranks("refused_where_shards_differ", 3, {"root": str(tmp_path / "ckpt")},
+                        module="tests.low_bit_workers", env={"FORCE_DIST": "1"}, timeout=150)
+    assert all("refused" in r.output for r in results)

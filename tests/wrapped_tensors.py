@@ -35,3 +35,16 @@ class Scaled(torch.Tensor):
 def scaled(seed: int, note: Any = "per-row") -> Scaled:
     g = torch.Generator().manual_seed(seed)
     return Scaled(torch.randint(-128, 127, (4, 6), dtype=torch.int8, generator=g), torch.rand(4, generator=g), note)
+
+
+class Viewable(Scaled):
+    """``Scaled`` that ``DTensor.from_local`` can hold (it views its local tensor), and that,
+    unlike torchao's states, cannot be sliced along its rows."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.view.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            x = args[0]
+            payload = x.payload.view(args[1]) if func is torch.ops.aten.view.default else x.payload
+            return cls(payload, x.scale, x.note)
+        raise NotImplementedError(f"Viewable does not run {func}")

@@ -1,0 +1,228 @@
+"""FSDP2 with torchao's low-bit optimizer (``AdamW8bit``), run by ``tests.launch``, one
+scenario per rank: each optimizer state of a quantized shard is a DTensor over an
+``OptimState8bit`` (uint8 codes with the parameter's shape, one scale per 256 values, a
+256-entry map).
+
+The reference is gathered without resilient: each rank's codes and scales joined in rank
+order (FSDP2 shards rows, so a rank's shard is a run of the parameter's rows and of its
+blocks). A twin at another world size is made from it by torchao's own slicing of the
+whole state along rows, the operation DCP's resharding of these states uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from resilient import Checkpointer, UnsupportedStateError
+from tests.workers import finish_scenario, init
+
+BLOCK = 256
+
+
+class Net(torch.nn.Module):
+    """Shards that every rank quantizes alike at 1, 2 and 3 ranks: ``up`` (50 x 256: 17,
+    17 and 16 rows at 3), ``gain`` (1-D, 12,288 values); ``down`` (8 x 50) is kept in full
+    precision everywhere (fewer than 4096 values)."""
+
+    def __init__(self, rows: int = 50) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(BLOCK, rows, bias=False)
+        self.down = torch.nn.Linear(rows, 8)
+        self.gain = torch.nn.Parameter(torch.ones(3 * 4096))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x))) * self.gain[:8] + self.gain[8:16].sum()
+
+
+def build(sharded: bool, rows: int = 50) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torchao.optim import AdamW8bit
+
+    torch.manual_seed(0)
+    model = Net(rows)
+    if sharded:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model.up, model.down):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, AdamW8bit(model.parameters(), lr=1e-2, block_size=BLOCK)
+
+
+def train_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, first: int, last: int) -> None:
+    """The same global batch at every world size (each rank averages its share)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for step in range(first, last):
+        x = torch.randn(12, BLOCK, generator=torch.Generator().manual_seed(step))
+        per = 12 // world
+        optim.zero_grad()
+        model(x[rank * per:(rank + 1) * per]).square().mean().backward()
+        optim.step()
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor | tuple:
+    """A state or parameter as plain whole tensors: (codes, scales, map, signed) for a
+    quantized one, gathered in rank order under FSDP2."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if not hasattr(local, "codes"):
+            return value.full_tensor()
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (local.codes, local.scale))
+        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), local.qmap.clone(), local.signed)
+    if hasattr(value, "codes"):
+        return value.codes.clone(), value.scale.clone(), value.qmap.clone(), value.signed
+    return value.detach().clone()
+
+
+def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
+    names = {p: n for n, p in model.named_parameters()}
+    out = {f"param/{n}": _whole(p) for n, p in model.named_parameters()}
+    for param, state in optim.state.items():
+        for key, value in state.items():
+            out[f"state/{names[param]}/{key}"] = _whole(value)
+    return out
+
+
+def compare(got: dict, want: dict, when: str) -> None:
+    assert got.keys() == want.keys(), (when, sorted(got.keys() ^ want.keys()))
+    for key, w in want.items():
+        g = got[key]
+        assert type(g) is type(w), (when, key, type(g), type(w))
+        if isinstance(w, tuple):
+            assert g[3] == w[3] and all(torch.equal(a, b) for a, b in zip(g[:3], w[:3])), (when, key)
+        else:
+            assert g.dtype == w.dtype and torch.equal(g, w), (when, key)
+
+
+def _rows(param: DTensor) -> slice:
+    """This rank's rows of a parameter FSDP2 shards (torch.chunk's split)."""
+    rows, world, rank = param.shape[0], dist.get_world_size(), dist.get_rank()
+    each = -(-rows // world)
+    return slice(min(rank * each, rows), min((rank + 1) * each, rows))
+
+
+def twin(reference: dict, sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model and optimizer given the reference's state without resilient: parameters
+    distributed by torch, quantized states sliced by torchao (``OptimState8bit[rows]``)."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    model, optim = build(sharded)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            whole = reference[f"param/{name}"]
+            if sharded:
+                param.to_local().copy_(distribute_tensor(whole, param.device_mesh, param.placements).to_local())
+            else:
+                param.copy_(whole)
+    for name, param in params.items():
+        state = {}
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            saved = reference[f"state/{name}/{key}"]
+            if isinstance(saved, tuple):
+                value = OptimState8bit(saved[0].clone(), saved[1].clone(), saved[2].clone(), saved[3])
+                if sharded:
+                    value = DTensor.from_local(value[_rows(param)], param.device_mesh, param.placements,
+                                               shape=param.shape, stride=param.stride(), run_check=False)
+            elif key != "step" and sharded:
+                value = distribute_tensor(saved.clone(), param.device_mesh, param.placements)
+            else:
+                value = saved.clone()
+            state[key] = value
+        optim.state[param] = state
+    return model, optim
+
+
+def save(a: dict) -> None:
+    """Train 3 steps on FSDP2, save step 3; the reference is the gathered state. Then one
+    step more and a restore in place gives step 3's state back."""
+    rank, world = init()
+    with torch.compiler.set_stance("force_eager"):  # torchao compiles its step; eager spares inductor
+        model, optim = build(True)
+        train_steps(model, optim, 0, 3)
+        kinds = {key: type(value.to_local()).__name__ for key, value in optim.state[model.up.weight].items()
+                 if isinstance(value, DTensor)}
+        assert kinds == {"exp_avg": "OptimState8bit", "exp_avg_sq": "OptimState8bit"}, kinds
+        state = {"model": model, "optim": optim}
+        with Checkpointer(a["root"], staging=a.get("staging", "sync")) as ckpt:
+            ckpt.save(3, state).result()
+            reference = full_state(model, optim)
+            if rank == 0:
+                torch.save(reference, a["reference"])
+            train_steps(model, optim, 3, 4)
+            assert ckpt.restore(state) == 3
+        compare(full_state(model, optim), reference, "restored in place")
+    print(f"rank {rank} saved at world {world}", flush=True)
+
+
+def resume(a: dict) -> None:
+    """A fresh model and optimizer (no state before its first step), sharded or not,
+    restored: the same gathered state, every quantized state a DTensor over the class
+    placed as its parameter; the next step equals the twin's bit for bit."""
+    rank, world = init()
+    sharded = a["sharded"]
+    with torch.compiler.set_stance("force_eager"):
+        model, optim = build(sharded)
+        with Checkpointer(a["root"]) as ckpt:
+            assert ckpt.restore({"model": model, "optim": optim}) == 3
+        reference = torch.load(a["reference"], weights_only=True)
+        compare(full_state(model, optim), reference, "after restore")
+        for param, state in optim.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state[key]
+                if sharded:
+                    assert isinstance(value, DTensor) and value.placements == param.placements, (key, value)
+                    value = value.to_local()
+                quantized = isinstance(reference[f"state/{_name(model, param)}/{key}"], tuple)
+                assert (type(value).__name__ == "OptimState8bit") == quantized, (key, type(value))
+        twin_model, twin_optim = twin(reference, sharded)
+        train_steps(model, optim, 3, 4)
+        train_steps(twin_model, twin_optim, 3, 4)
+        compare(full_state(model, optim), full_state(twin_model, twin_optim), "after the next step")
+    print(f"rank {rank} resumed at world {world}", flush=True)
+
+
+def _name(model: torch.nn.Module, param: torch.Tensor) -> str:
+    return next(n for n, p in model.named_parameters() if p is param)
+
+
+def refused_where_shards_differ(a: dict) -> None:
+    """7 rows of 2048 on 3 ranks: shards of 3, 3 and 1 rows, the last too small for
+    torchao to quantize. The save is refused on every rank, naming the state, and nothing
+    is written."""
+    rank, world = init()
+    with torch.compiler.set_stance("force_eager"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(BLOCK, 2048, bias=False), torch.nn.Linear(2048, 7, bias=False))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        from torchao.optim import AdamW8bit
+
+        optim = AdamW8bit(model.parameters(), lr=1e-2, block_size=BLOCK)
+        x = torch.randn(4, BLOCK, generator=torch.Generator().manual_seed(0))
+        model(x).square().mean().backward()
+        optim.step()
+        with Checkpointer(a["root"]) as ckpt:
+            try:
+                ckpt.save(1, {"model": model, "optim": optim})
+            except UnsupportedStateError as exc:
+                assert "state['optim/state/1/exp_avg'] is one tensor on rank 2" in str(exc), exc
+                print(f"rank {rank} refused: {exc}", flush=True)
+            else:
+                raise AssertionError("a state quantized on some ranks only was saved")
+    assert not [n for n in os.listdir(a["root"]) if n.startswith("step-")] if os.path.isdir(a["root"]) else True
+
+
+SCENARIOS = {f.__name__: f for f in (save, resume, refused_where_shards_differ)}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+    finish_scenario()
