@@ -145,6 +145,7 @@ def _placed_parts(t: torch.Tensor, local: torch.Tensor, names: list[str], contex
             f"dimension, or this rank's shard ({list(local.shape)}) is too small to slice; use a full-precision "
             "optimizer for sharded parameters, or the low-bit one without FSDP")
     mesh, placements = t.device_mesh, tuple(t.placements)
+    context = _shape_replaced(context, tuple(local.shape), tuple(t.shape))
     sharded, strided = _sharded_dims(placements, t.dim())
     items: dict[str, torch.Tensor] = {}
     blocks: list[str] = []
@@ -168,6 +169,20 @@ def _placed_parts(t: torch.Tensor, local: torch.Tensor, names: list[str], contex
         items[name] = DTensor.from_local(part, mesh, placements, shape=torch.Size(shape),
                                          stride=_contiguous_stride(shape), run_check=False)
     return SavedParts(names, context, items, blocks)
+
+
+def _shape_replaced(context: Any, old: tuple[int, ...], new: tuple[int, ...]) -> Any:
+    """``context`` with each shape equal to ``old`` (a list, tuple or ``torch.Size`` of
+    ints, anywhere in its lists and tuples) made ``new``, of the same type. Why: a wrapper's
+    context may hold its own shape (torchao's 4-bit state, whose codes are flat): under
+    FSDP2 that is the rank's shard's, which another world size changes. Saved as the
+    global shape, it is made the new shard's at the restore."""
+    if isinstance(context, (list, tuple)):
+        if context and tuple(context) == old and all(type(n) is int for n in context):
+            return type(context)(new) if isinstance(context, (list, torch.Size)) else tuple(new)
+        items = [_shape_replaced(item, old, new) for item in context]
+        return type(context)(items) if isinstance(context, list) or type(context) is tuple else context
+    return context
 
 
 def _part_kinds(t: torch.Tensor, names: list[str]) -> dict[str, Any] | None:
@@ -309,6 +324,7 @@ def rebuilt(name: str, inner: dict[str, torch.Tensor], context: Any, shape: list
     if placed is not None:
         outer_shape = torch.Size(placed_box(tuple(shape), placed.device_mesh, tuple(placed.placements), path).sizes)
         outer_stride = _contiguous_stride(tuple(outer_shape))
+        context = _shape_replaced(context, tuple(shape), tuple(outer_shape))
         if not outer_shape.numel():  # a low-bit state holds no empty shard (torchao keeps those plain)
             raise StateError(
                 f"key {path!r}: this rank's shard of the saved {name} would be empty ({list(outer_shape)} of "

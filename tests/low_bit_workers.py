@@ -1,12 +1,13 @@
-"""FSDP2 with torchao's low-bit optimizer (``AdamW8bit``), run by ``tests.launch``, one
-scenario per rank: each optimizer state of a quantized shard is a DTensor over an
-``OptimState8bit`` (uint8 codes with the parameter's shape, one scale per 256 values, a
-256-entry map).
+"""FSDP2 with torchao's low-bit optimizers (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``),
+run by ``tests.launch``, one scenario per rank: each optimizer state of a quantized shard
+is a DTensor over the class's state (``OptimState8bit``: uint8 codes with the parameter's
+shape, one scale per 256 values, a 256-entry map; 4-bit: codes two to a byte, held flat,
+its shape in its flatten context; fp8: float8 codes, no map).
 
-The reference is gathered without resilient: each rank's codes and scales joined in rank
-order (FSDP2 shards rows, so a rank's shard is a run of the parameter's rows and of its
-blocks). A twin at another world size is made from it by torchao's own slicing of the
-whole state along rows, the operation DCP's resharding of these states uses.
+The reference is gathered without resilient: each rank's parts joined in rank order
+(FSDP2 shards rows, so a rank's shard is a run of the parameter's rows and of its blocks),
+the map taken once. A twin at another world size is made from it by torchao's own slicing
+of the whole state along rows, the operation DCP's resharding of these states uses.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class Net(torch.nn.Module):
         return self.down(torch.relu(self.up(x))) * self.gain[:8] + self.gain[8:16].sum()
 
 
-def build(sharded: bool, rows: int = 50) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torchao.optim import AdamW8bit
+def build(sharded: bool, optimizer: str = "AdamW8bit", rows: int = 50) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    import torchao.optim
 
     torch.manual_seed(0)
     model = Net(rows)
@@ -52,7 +53,7 @@ def build(sharded: bool, rows: int = 50) -> tuple[torch.nn.Module, torch.optim.O
         for layer in (model.up, model.down):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    return model, AdamW8bit(model.parameters(), lr=1e-2, block_size=BLOCK)
+    return model, getattr(torchao.optim, optimizer)(model.parameters(), lr=1e-2)
 
 
 def train_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, first: int, last: int) -> None:
@@ -66,19 +67,33 @@ def train_steps(model: torch.nn.Module, optim: torch.optim.Optimizer, first: int
         optim.step()
 
 
+#: torchao's quantization maps: the same on every rank, not split with the rows
+TABLES = ("qmap",)
+
+
 def _whole(value: torch.Tensor) -> torch.Tensor | tuple:
-    """A state or parameter as plain whole tensors: (codes, scales, map, signed) for a
-    quantized one, gathered in rank order under FSDP2."""
+    """A state or parameter as plain whole tensors: (class, {part: whole part}, context)
+    for a quantized one, each part but the map gathered in rank order under FSDP2, and a
+    shape in the context made the whole tensor's (4-bit's flat codes keep it there)."""
     if isinstance(value, DTensor):
         local = value.to_local()
-        if not hasattr(local, "codes"):
+        if not hasattr(local, "__tensor_flatten__") or type(local) is torch.Tensor:
             return value.full_tensor()
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (local.codes, local.scale))
-        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), local.qmap.clone(), local.signed)
-    if hasattr(value, "codes"):
-        return value.codes.clone(), value.scale.clone(), value.qmap.clone(), value.signed
+        names, context = local.__tensor_flatten__()
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {n: _bits(getattr(local, n)) for n in names})
+        parts = {n: gathered[0][n] if n in TABLES else torch.cat([g[n] for g in gathered]) for n in names}
+        context = [torch.Size(value.shape) if c == local.shape else c for c in context]
+        return type(local).__name__, parts, context
+    if hasattr(value, "__tensor_flatten__") and type(value) is not torch.Tensor:
+        names, context = value.__tensor_flatten__()
+        return type(value).__name__, {n: _bits(getattr(value, n)).clone() for n in names}, list(context)
     return value.detach().clone()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 codes as their bytes: torch's object collectives cannot send float8 tensors."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
@@ -96,7 +111,8 @@ def compare(got: dict, want: dict, when: str) -> None:
         g = got[key]
         assert type(g) is type(w), (when, key, type(g), type(w))
         if isinstance(w, tuple):
-            assert g[3] == w[3] and all(torch.equal(a, b) for a, b in zip(g[:3], w[:3])), (when, key)
+            assert g[0] == w[0] and g[2] == w[2] and g[1].keys() == w[1].keys(), (when, key, g[0], g[2])
+            assert all(torch.equal(g[1][n], w[1][n]) for n in w[1]), (when, key)
         else:
             assert g.dtype == w.dtype and torch.equal(g, w), (when, key)
 
@@ -108,12 +124,13 @@ def _rows(param: DTensor) -> slice:
     return slice(min(rank * each, rows), min((rank + 1) * each, rows))
 
 
-def twin(reference: dict, sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def twin(reference: dict, sharded: bool, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model and optimizer given the reference's state without resilient: parameters
-    distributed by torch, quantized states sliced by torchao (``OptimState8bit[rows]``)."""
-    from torchao.optim.subclass_8bit import OptimState8bit
+    distributed by torch, quantized states rebuilt whole and sliced by torchao
+    (``state[rows]``)."""
+    import torchao.optim
 
-    model, optim = build(sharded)
+    model, optim = build(sharded, optimizer)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
@@ -127,7 +144,7 @@ def twin(reference: dict, sharded: bool) -> tuple[torch.nn.Module, torch.optim.O
         for key in ("step", "exp_avg", "exp_avg_sq"):
             saved = reference[f"state/{name}/{key}"]
             if isinstance(saved, tuple):
-                value = OptimState8bit(saved[0].clone(), saved[1].clone(), saved[2].clone(), saved[3])
+                value = _rebuilt(torchao.optim, saved, param)
                 if sharded:
                     value = DTensor.from_local(value[_rows(param)], param.device_mesh, param.placements,
                                                shape=param.shape, stride=param.stride(), run_check=False)
@@ -140,16 +157,27 @@ def twin(reference: dict, sharded: bool) -> tuple[torch.nn.Module, torch.optim.O
     return model, optim
 
 
+def _rebuilt(module, saved: tuple, param: torch.Tensor) -> torch.Tensor:
+    """The whole quantized state from the reference's parts, through its class."""
+    cls_name, parts, context = saved
+    cls = next(getattr(sub, cls_name) for sub in (module.subclass_8bit, module.subclass_4bit, module.subclass_fp8)
+               if hasattr(sub, cls_name))
+    parts = {n: p.clone() for n, p in parts.items()}
+    if cls_name == "OptimStateFp8":
+        parts["codes"] = parts["codes"].view(torch.float8_e4m3fn)
+    return cls.__tensor_unflatten__(parts, context, param.shape, param.stride())
+
+
 def save(a: dict) -> None:
     """Train 3 steps on FSDP2, save step 3; the reference is the gathered state. Then one
     step more and a restore in place gives step 3's state back."""
     rank, world = init()
     with torch.compiler.set_stance("force_eager"):  # torchao compiles its step; eager spares inductor
-        model, optim = build(True)
+        model, optim = build(True, a["optimizer"])
         train_steps(model, optim, 0, 3)
-        kinds = {key: type(value.to_local()).__name__ for key, value in optim.state[model.up.weight].items()
+        kinds = {type(value.to_local()).__name__ for key, value in optim.state[model.up.weight].items()
                  if isinstance(value, DTensor)}
-        assert kinds == {"exp_avg": "OptimState8bit", "exp_avg_sq": "OptimState8bit"}, kinds
+        assert kinds == {a["state_class"]}, kinds
         state = {"model": model, "optim": optim}
         with Checkpointer(a["root"], staging=a.get("staging", "sync")) as ckpt:
             ckpt.save(3, state).result()
@@ -169,7 +197,7 @@ def resume(a: dict) -> None:
     rank, world = init()
     sharded = a["sharded"]
     with torch.compiler.set_stance("force_eager"):
-        model, optim = build(sharded)
+        model, optim = build(sharded, a["optimizer"])
         with Checkpointer(a["root"]) as ckpt:
             assert ckpt.restore({"model": model, "optim": optim}) == 3
         reference = torch.load(a["reference"], weights_only=True)
@@ -181,8 +209,8 @@ def resume(a: dict) -> None:
                     assert isinstance(value, DTensor) and value.placements == param.placements, (key, value)
                     value = value.to_local()
                 quantized = isinstance(reference[f"state/{_name(model, param)}/{key}"], tuple)
-                assert (type(value).__name__ == "OptimState8bit") == quantized, (key, type(value))
-        twin_model, twin_optim = twin(reference, sharded)
+                assert (type(value).__name__ == a["state_class"]) == quantized, (key, type(value))
+        twin_model, twin_optim = twin(reference, sharded, a["optimizer"])
         train_steps(model, optim, 3, 4)
         train_steps(twin_model, twin_optim, 3, 4)
         compare(full_state(model, optim), full_state(twin_model, twin_optim), "after the next step")

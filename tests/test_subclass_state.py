@@ -256,40 +256,48 @@ def test_sharded_wrappers_whose_parts_cannot_be_placed_are_refused_naming_the_ke
         dist.destroy_process_group()
 
 
+#: torchao's low-bit optimizers and the class of their quantized states
+LOW_BIT = {"AdamW8bit": "OptimState8bit", "AdamW4bit": "OptimState4bit", "AdamWFp8": "OptimStateFp8"}
+
+
 @pytest.fixture(scope="module")
 def fsdp2_low_bit(tmp_path_factory):
-    """saved world -> the arguments of its FSDP2 + AdamW8bit run, made once."""
+    """(optimizer, saved world) -> the arguments of its FSDP2 run, made once."""
     pytest.importorskip("torchao.optim")
     from .launch import run_ranks
 
-    runs: dict[int, dict] = {}
+    runs: dict[tuple[str, int], dict] = {}
 
-    def get(world: int) -> dict:
-        if world not in runs:
-            d = tmp_path_factory.mktemp(f"low-bit-{world}")
-            args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt")}
+    def get(optimizer: str, world: int) -> dict:
+        if (optimizer, world) not in runs:
+            d = tmp_path_factory.mktemp(f"{optimizer}-{world}")
+            args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt"), "optimizer": optimizer,
+                    "state_class": LOW_BIT[optimizer]}
             results = run_ranks("save", world, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"},
                                 timeout=150)
             assert all(f"saved at world {world}" in r.output for r in results)
-            runs[world] = args
-        return runs[world]
+            runs[(optimizer, world)] = args
+        return runs[(optimizer, world)]
 
     return get
 
 
-@pytest.mark.parametrize("saved_world,world,sharded", [(2, 2, True), (2, 3, True), (2, 1, True), (2, 1, False),
-                                                       (3, 2, True)])
-def test_fsdp2_with_adamw8bit_resumes_at_any_world_size_and_without_fsdp(fsdp2_low_bit, saved_world, world,
-                                                                        sharded):
-    """FSDP2 with torchao's AdamW8bit: each quantized state is a DTensor over an
-    OptimState8bit. Before, the save was refused ("a DTensor over a OptimState8bit"), so
-    such a run had no checkpoint (DCP saves it). Now its codes and block scales are shards
-    like the parameter's: restored into a fresh optimizer at 1, 2 or 3 ranks, or without
-    FSDP, the state is the saved one and the next step is a twin's, the twin given that
-    state by torchao's own slicing."""
+@pytest.mark.parametrize("optimizer,saved_world,world,sharded", [
+    ("AdamW8bit", 2, 2, True), ("AdamW8bit", 2, 3, True), ("AdamW8bit", 2, 1, True), ("AdamW8bit", 2, 1, False),
+    ("AdamW8bit", 3, 2, True), ("AdamW4bit", 2, 3, True), ("AdamW4bit", 2, 1, False), ("AdamWFp8", 2, 3, True),
+    ("AdamWFp8", 2, 1, False)])
+def test_fsdp2_with_a_low_bit_optimizer_resumes_at_any_world_size_and_without_fsdp(fsdp2_low_bit, optimizer,
+                                                                                  saved_world, world, sharded):
+    """FSDP2 with torchao's low-bit optimizers: each quantized state is a DTensor over the
+    class's state. Before, the save was refused ("a DTensor over a OptimState8bit"), so
+    such a run had no checkpoint (DCP saves it). Now its parts are shards like the
+    parameter's: restored into a fresh optimizer at 1, 2 or 3 ranks, or without FSDP, the
+    state is the saved one and the next step is a twin's, the twin given that state by
+    torchao's own slicing. 4-bit holds its shard's shape in its flatten context, which must
+    become the new shard's."""
     from .launch import run_ranks
 
-    args = {**fsdp2_low_bit(saved_world), "sharded": sharded}
+    args = {**fsdp2_low_bit(optimizer, saved_world), "sharded": sharded}
     env = {"FORCE_DIST": "1"} if sharded else {}
     for result in run_ranks("resume", world, args, module="tests.low_bit_workers", env=env, timeout=150):
         assert f"resumed at world {world}" in result.output, result.output[-2000:]
@@ -299,7 +307,8 @@ def test_fsdp2_low_bit_state_with_overlapped_staging_restores_in_place(tmp_path)
     pytest.importorskip("torchao.optim")
     from .launch import run_ranks
 
-    args = {"root": str(tmp_path / "ckpt"), "reference": str(tmp_path / "reference.pt"), "staging": "overlap"}
+    args = {"root": str(tmp_path / "ckpt"), "reference": str(tmp_path / "reference.pt"), "staging": "overlap",
+            "optimizer": "AdamW8bit", "state_class": "OptimState8bit"}
     results = run_ranks("save", 2, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"}, timeout=150)
     assert all("saved at world 2" in r.output for r in results)
 
