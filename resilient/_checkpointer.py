@@ -698,32 +698,33 @@ class Checkpointer:
         deadline = started + grace_seconds()
         for ckpt in [c for c in list(_OPEN) if not c._closed and c._preempted_step is not None]:
             ckpt._drain_preempted(started, deadline)
-        self._depart_together(deadline)
+        self._depart_together(f"departing/{self._preempted_step}", deadline)
         if watch is not None:
             watch.settled()
         for ckpt in list(_OPEN):  # the others' saves in flight, within what is left of the grace
             ckpt.close()
         raise SystemExit(0)
 
-    def _depart_together(self, deadline: float) -> None:
-        """The first rank leaves last, once every rank has said it is leaving (within the
-        grace, and ``DEPART_WAIT_S`` at most). Why: where the program made the process group
-        itself (Lightning's DDP, ``mp.spawn``: ``MASTER_PORT``), the store lives in rank 0's
-        process, and every rank reads the preempted step's outcome from it after rank 0 has
-        written it. Rank 0 exiting at once took the store with it while a slower rank was
-        still reading: "Connection reset by peer", a step committed everywhere reported
-        failed there, and that rank exited 1 (seen under a loaded CI)."""
+    def _depart_together(self, key: str, deadline: float, *, wait: bool = True) -> None:
+        """The first rank leaves last, once every rank has said it is leaving (by
+        ``deadline``, and ``DEPART_WAIT_S`` at most): at a preempted exit and at ``close``.
+        Why: where the program made the process group itself (Lightning's DDP, ``mp.spawn``:
+        ``MASTER_PORT``), the store lives in rank 0's process, and every rank reads the last
+        step's outcome from it after rank 0 has written it. Rank 0 leaving at once took the
+        store with it while a slower rank was still reading: "Connection reset by peer", a
+        step committed everywhere reported failed there (a preempted rank exited 1; at the
+        end of a run, "closing with unfinished saves"). A rank leaving on an error says so
+        without waiting (``wait=False``), so that the first rank is not held for it."""
         coord = self._coord
         if coord.world_size == 1:
             return
-        key = f"departing/{self._preempted_step}"
         try:
             coord.publish(f"{key}/{coord.rank}", b"")
-            if coord.rank == coord.leaders[0]:
-                wait = max(0.0, min(DEPART_WAIT_S, deadline - time.monotonic()))
-                coord.collect([f"{key}/{rank}" for rank in range(coord.world_size)], wait)
+            if wait and coord.rank == coord.leaders[0]:
+                left = max(0.0, min(DEPART_WAIT_S, deadline - time.monotonic()))
+                coord.collect([f"{key}/{rank}" for rank in range(coord.world_size)], left)
         except Exception as exc:  # noqa: BLE001 - a rank that is gone does not hold the others
-            log.info("resilient: preempted: leaving without every rank's word (%s)", exc)
+            log.info("resilient: leaving without every rank's word (%s)", exc)
 
     def _drain_preempted(self, started: float, deadline: float) -> None:
         """Commit this Checkpointer's preempted step and drain it, by ``deadline``."""
@@ -1187,8 +1188,12 @@ class Checkpointer:
         """Wait for in-flight saves and stop the background thread.
 
         ``timeout`` defaults to the commit timeout; past it, what is unfinished is logged
-        and abandoned (it can never be mistaken for a committed checkpoint).
+        and abandoned (it can never be mistaken for a committed checkpoint). Under several
+        ranks the first one returns once every rank has closed (``_depart_together``).
         """
+        self._close(timeout, together=True)
+
+    def _close(self, timeout: float | None, *, together: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -1198,13 +1203,16 @@ class Checkpointer:
         left = self._preemption.seconds_left() if self._preemption is not None else None
         if left is not None:  # asked to stop: what is unfinished when the grace is over stays so
             timeout = min(timeout, left)
+        until, settled = time.monotonic() + timeout, False
         try:
             self.wait(timeout)
             if self._remote is not None:
                 self.flush(min(timeout, self.flush_timeout))
+            settled = True
         except (CommitError, TimeoutError) as exc:
             log.warning("resilient: closing with unfinished saves or uploads: %s", exc)
-        finally:
+        finally:  # a failed save may mean a rank is gone: the first rank does not wait for it then
+            self._depart_together("closing", until, wait=together and settled)
             if self._uploader is not None:
                 self._uploader.close()
             self._events.close()
@@ -1256,7 +1264,10 @@ class Checkpointer:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         # Leaving on an exception (often a dead peer): do not hold the process for the
         # full commit timeout waiting for ranks that may be gone.
-        self.close(None if exc_type is None else min(self.commit_timeout, _EXIT_ON_ERROR_TIMEOUT))
+        if exc_type is None:
+            self.close()
+        else:
+            self._close(min(self.commit_timeout, _EXIT_ON_ERROR_TIMEOUT), together=False)
 
     def __repr__(self) -> str:
         return (

@@ -279,3 +279,15 @@ def test_the_rank_holding_the_store_leaves_after_a_slow_rank_has_read_the_outcom
                         env={"RESILIENT_PREEMPT_GRACE": "60"})
     assert all("preempted: step 8 of" in r.output for r in results), results[1].output[-2000:]
     assert os.path.isdir(tmp_path / "ckpt" / "step-0000000008")
+
+
+def test_at_a_runs_end_the_rank_holding_the_store_closes_after_a_slow_rank_has_read_the_outcome(tmp_path):
+    """The same at a normal end: both ranks leave the ``with`` block after a save, rank 0's
+    process ends at once, rank 1 reads the outcome 2 s late. Rank 0's close used to return
+    as soon as it had written the outcome, and rank 1 logged "closing with unfinished
+    saves" over a step committed everywhere; now rank 0's close returns once every rank
+    has closed."""
+    results = run_ranks("closed_while_a_rank_reads_late", 2, {"root": str(tmp_path / "ckpt")})
+    for result in results:
+        assert "CLOSED committed=True warnings=[]" in result.output, result.output[-2000:]
+    assert os.path.isdir(tmp_path / "ckpt" / "step-0000000001")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -562,6 +563,24 @@ def _read_outcomes_late(seconds: float) -> None:
     StoreCoordinator.collect = late
 
 
+def closed_while_a_rank_reads_late(a: dict) -> None:
+    """A run's end where rank 0 hosts the store (``MASTER_PORT``): the ``with`` block closes
+    right after a save, and rank 0's process ends at once (no barrier after it, as a script
+    that returns). Rank 1 reads the save's outcome 2 s late. Each rank prints whether the
+    save committed and the warnings its close logged."""
+    rank, _ = init()
+    if rank == 1:
+        _read_outcomes_late(2.0)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("resilient").addHandler(handler)
+    with Checkpointer(a["root"]) as ckpt:
+        handle = ckpt.save(1, {"w": torch.ones(4)})
+    print(f"CLOSED committed={handle.committed} warnings={json.dumps(warnings)}", flush=True)
+    os._exit(0)
+
+
 def distributed_sampler_position(a: dict) -> None:
     """A StatefulDataLoader over a DistributedSampler, as a DDP loop holds one: each rank
     takes ``a["batches"]`` batches of the epoch and saves (``a["save"]``), or restores and
@@ -589,7 +608,7 @@ def distributed_sampler_position(a: dict) -> None:
         json.dump(taken, f)
 
 
-SCENARIOS = {f.__name__: f for f in (preemption_seen_by_one_rank, harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
+SCENARIOS = {f.__name__: f for f in (preemption_seen_by_one_rank, closed_while_a_rank_reads_late, harness_probe, train, kill_during_write, dtensor_save, dtensor_load, mismatch_on_one_rank,
                                      remote_refused,
                                      rank_dependent_tensor_refused, per_rank_save, per_rank_restore, saves_on_own_nodes,
                                      stateful_dataloader_per_rank, distributed_sampler_position,
