@@ -11,18 +11,10 @@ part (``load_state_dict``). resilient saves each rank's part from that rank and 
 reads its part alone (``resilient/_zero.py``).
 
 ``--world`` ranks on gloo hold a model of fp32 linear layers and ZeRO(Adam) over it, one
-step taken: ``--gb`` is the parameters and Adam's two moments together. Each round runs
-both methods in a rotating order: two unmeasured saves, then ``--saves`` measured ones,
-then ``--restores`` cold restores (page cache dropped) into the same objects. (This VM's
-disk reads a file just written with direct I/O, as resilient writes, slower the first time:
-1 GB in 1.18 s, then 0.41 s twice, where a file written through the page cache read at
-0.45-0.79 s; so each method's restores are several, and the median is reported.) Measured in the same run:
-a memcpy of a rank's part (the stall's floor), an fsync'd write of the checkpoint's size
-(the faster of a new file and an overwrite in place, as resilient reuses its files) and a
-cold read of it (the disk's limits). Times are the slowest rank's, from a barrier before
-to a barrier after (``torch.save``'s recipe holds every rank at its next collective until
-rank 0 is done). Peak extra RSS is the largest of the ranks', from before a round's first
-save (a staging buffer counts) and from before a restore.
+step taken: ``--gb`` is the parameters and Adam's two moments together. The rounds
+(unmeasured and measured saves, cold restores, the limits beside them) are
+``benchmarks/save_restore_rounds.py``'s. (``torch.save``'s recipe holds every rank at its
+next collective until rank 0 is done.)
 """
 
 from __future__ import annotations
@@ -31,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -40,9 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.bench_checkpoint import _rotated, _timed_together
-from benchmarks.common import (GB, PeakRSS, disk_seconds, drop_cache, memcpy_seconds, rendered, reported,
-                               worker_results)
+from benchmarks.bench_checkpoint import _timed_together
+from benchmarks.common import GB, rendered, reported, worker_results
+from benchmarks.save_restore_rounds import measured_rounds, rounds_table
 
 METHODS = ("resilient", "consolidate + torch.save")
 LAYERS = 16
@@ -133,50 +124,12 @@ class Resilient:
 def worker(args: dict[str, Any]) -> None:
     """One rank: every method's saves and cold restores, round by round, with the limits."""
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     params, optim = build(int(args["gb"] * GB))
     total = sum(3 * p.numel() * p.element_size() for p in params)
     methods = {"resilient": Resilient(os.path.join(args["root"], "resilient"), params, optim),
                "consolidate + torch.save": Recipe(args["root"], params, optim)}
     os.makedirs(os.path.join(args["root"], "resilient"), exist_ok=True)
-    samples: dict[str, dict[str, list[float]]] = {m: {"stall": [], "durable": [], "restore": [], "save_rss": [],
-                                                      "restore_rss": []} for m in methods}
-    limits: dict[str, list[float]] = {"memcpy": [], "write": [], "read": []}
-    step = 0
-    for rnd in range(args["rounds"]):
-        limits["memcpy"].append(memcpy_seconds(_own_bytes(optim), sync=dist.barrier))
-        if rank == 0:
-            write, read = disk_seconds(args["root"], total, in_place=True)
-            limits["write"].append(write)
-            limits["read"].append(read)
-        dist.barrier()
-        for name in _rotated(list(methods), rnd):
-            method, got = methods[name], samples[name]
-            with PeakRSS() as rss:  # from before the first save: a staging buffer counts
-                for _ in range(2):  # unmeasured: the first saves make files that later ones reuse
-                    step += 1
-                    method.save(step)
-                for _ in range(args["saves"]):
-                    step += 1
-                    stall, durable = method.save(step)
-                    got["stall"].append(stall)
-                    got["durable"].append(durable)
-            got["save_rss"].append(rss.extra)
-            for _ in range(args["restores"]):
-                drop_cache(method.directory())
-                if rank == 0:
-                    os.sync()  # what the saves wrote is on disk before a restore is timed
-                time.sleep(1.0)  # the writes' I/O settles first
-                with PeakRSS() as rss:
-                    got["restore"].append(_timed_together(method.restore))
-                got["restore_rss"].append(rss.extra)
-            print(f"rank {rank} round {rnd + 1}: {name}: stall {got['stall'][-1]:.3f} s, durable "
-                  f"{got['durable'][-1]:.3f} s, restore {got['restore'][-1]:.3f} s", flush=True)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"samples": samples, "limits": limits})
-    if rank == 0:
-        print("RESULT " + json.dumps({"gb": total / GB, "world": dist.get_world_size(), "ranks": everyone}),
-              flush=True)
+    measured_rounds(methods, _own_bytes(optim), total, args)
     dist.destroy_process_group()
 
 
@@ -192,28 +145,7 @@ def run(gb: float, world: int, rounds: int, saves: int, restores: int) -> dict[s
 
 
 def render(result: dict[str, Any]) -> str:
-    ranks = result["ranks"]
-    median = statistics.median
-    memcpy = median(s for r in ranks for s in r["limits"]["memcpy"])
-    write, read = median(ranks[0]["limits"]["write"]), median(ranks[0]["limits"]["read"])
-    lines = [f"{result['gb']:.2f} GB of parameters + Adam state on {result['world']} ranks; limits in the same "
-             f"run: memcpy of a rank's part {memcpy:.3f} s, fsync'd write {result['gb'] / write:.2f} GB/s, "
-             f"cold read {result['gb'] / read:.2f} GB/s",
-             "",
-             "| method | stall (x memcpy of a rank's part) | durable (% of write bw) | cold restore (% of read bw) "
-             "| peak extra RSS, save / restore |",
-             "|---|---|---|---|---|"]
-    for name in METHODS:
-        def worst(field: str) -> list[float]:  # per sample, the slowest (largest) rank's
-            return [max(values) for values in zip(*(r["samples"][name][field] for r in ranks))]
-
-        stall, durable, restore = median(worst("stall")), median(worst("durable")), median(worst("restore"))
-        lines.append(
-            f"| {name} | {stall:.3f} s ({stall / memcpy:.1f}x) | {durable:.3f} s ({write / durable:.0%}) | "
-            f"{restore:.3f} s ({read / restore:.0%}; {min(worst('restore')):.2f}-{max(worst('restore')):.2f}) | "
-            f"{max(worst('save_rss')) / GB:.2f} / "
-            f"{max(worst('restore_rss')) / GB:.2f} GB |")
-    return "\n".join(lines)
+    return rounds_table(result, METHODS, "parameters + Adam state")
 
 
 def main() -> None:
