@@ -19,12 +19,7 @@ next collective until rank 0 is done.)
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
-import sys
-import tempfile
 import time
 from typing import Any
 
@@ -32,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _timed_together
-from benchmarks.common import GB, rendered, reported, worker_results
-from benchmarks.save_restore_rounds import measured_rounds, rounds_table
+from benchmarks.common import GB
+from benchmarks.save_restore_rounds import ResilientMethod, measured_rounds, rounds_main, rounds_table
 
 METHODS = ("resilient", "consolidate + torch.save")
 LAYERS = 16
@@ -96,75 +91,21 @@ class Recipe:
         return os.path.dirname(self.path)
 
 
-class Resilient:
-    """A ``Checkpointer`` holding the parameters and the ZeRO optimizer as they are."""
-
-    def __init__(self, root: str, params: list[torch.nn.Parameter], optim: Any) -> None:
-        from resilient import Checkpointer
-
-        self.root = root
-        self.state = {"params": params, "optim": optim}
-        self.ckpt = Checkpointer(root, keep=1, rng=False)
-
-    def save(self, step: int) -> tuple[float, float]:
-        started = time.perf_counter()
-        handles = []
-        stall = _timed_together(lambda: handles.append(self.ckpt.save(step, self.state, force=True)))
-        handles[0].result()
-        dist.barrier()
-        return stall, time.perf_counter() - started
-
-    def restore(self) -> None:
-        self.ckpt.restore(self.state)
-
-    def directory(self) -> str:
-        return self.root
-
-
 def worker(args: dict[str, Any]) -> None:
     """One rank: every method's saves and cold restores, round by round, with the limits."""
     dist.init_process_group("gloo")
     params, optim = build(int(args["gb"] * GB))
     total = sum(3 * p.numel() * p.element_size() for p in params)
-    methods = {"resilient": Resilient(os.path.join(args["root"], "resilient"), params, optim),
+    methods = {"resilient": ResilientMethod(os.path.join(args["root"], "resilient"),
+                                            {"params": params, "optim": optim}),
                "consolidate + torch.save": Recipe(args["root"], params, optim)}
-    os.makedirs(os.path.join(args["root"], "resilient"), exist_ok=True)
     measured_rounds(methods, _own_bytes(optim), total, args)
     dist.destroy_process_group()
-
-
-def run(gb: float, world: int, rounds: int, saves: int, restores: int) -> dict[str, Any]:
-    root = tempfile.mkdtemp(prefix="resilient-zero-")
-    try:
-        args = {"gb": gb, "root": root, "rounds": rounds, "saves": saves, "restores": restores}
-        result = worker_results("benchmarks.bench_zero", world, args)[0]  # rank 0's holds every rank's
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    assert result is not None
-    return result
 
 
 def render(result: dict[str, Any]) -> str:
     return rounds_table(result, METHODS, "parameters + Adam state")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gb", type=float, default=1.0)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--saves", type=int, default=1)
-    parser.add_argument("--restores", type=int, default=2)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--render", default=None, help="print the table of an earlier run's JSON")
-    args = parser.parse_args()
-    if rendered(args.render, render):
-        return
-    reported(run(args.gb, args.world, args.rounds, args.saves, args.restores), args.out, render)
-
-
 if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "worker":
-        worker(json.loads(sys.argv[2]))
-    else:
-        main()
+    rounds_main("benchmarks.bench_zero", __doc__, worker, render)

@@ -17,16 +17,21 @@ before a restore.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import statistics
+import sys
+import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from benchmarks.bench_checkpoint import _rotated, _timed_together
-from benchmarks.common import GB, PeakRSS, disk_seconds, drop_cache, memcpy_seconds
+from benchmarks.common import (GB, PeakRSS, disk_seconds, drop_cache, memcpy_seconds, rendered, reported,
+                               worker_results)
 
 
 def measured_rounds(methods: dict[str, Any], own_bytes: int, total_bytes: int, args: dict[str, Any],
@@ -103,3 +108,57 @@ def rounds_table(result: dict[str, Any], methods: tuple[str, ...], what: str) ->
             f"{max(worst('save_rss')) / GB:.2f} / "
             f"{max(worst('restore_rss')) / GB:.2f} GB |")
     return "\n".join(lines)
+
+
+class ResilientMethod:
+    """A ``Checkpointer`` (``keep=1``) holding ``state`` as the program gives it."""
+
+    def __init__(self, root: str, state: dict[str, Any]) -> None:
+        from resilient import Checkpointer
+
+        os.makedirs(root, exist_ok=True)
+        self.root, self.state = root, state
+        self.ckpt = Checkpointer(root, keep=1, rng=False)
+
+    def save(self, step: int) -> tuple[float, float]:
+        started = time.perf_counter()
+        handles = []
+        stall = _timed_together(lambda: handles.append(self.ckpt.save(step, self.state, force=True)))
+        handles[0].result()
+        dist.barrier()
+        return stall, time.perf_counter() - started
+
+    def restore(self) -> None:
+        self.ckpt.restore(self.state)
+
+    def directory(self) -> str:
+        return self.root
+
+
+def rounds_main(module: str, doc: str, worker: Callable[[dict[str, Any]], None],
+                table: Callable[[dict[str, Any]], str]) -> None:
+    """A rounds benchmark's command line: as ``worker`` (a rank started by
+    ``worker_results``), ``--render`` of an earlier run's JSON, or a run on ``--world``
+    ranks in a scratch directory removed at the end."""
+    if len(sys.argv) >= 3 and sys.argv[1] == "worker":
+        worker(json.loads(sys.argv[2]))
+        return
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.0)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--saves", type=int, default=1)
+    parser.add_argument("--restores", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--render", default=None, help="print the table of an earlier run's JSON")
+    a = parser.parse_args()
+    if rendered(a.render, table):
+        return
+    root = tempfile.mkdtemp(prefix=f"resilient-{module.rpartition('.')[2]}-")
+    try:
+        args = {"gb": a.gb, "root": root, "rounds": a.rounds, "saves": a.saves, "restores": a.restores}
+        result = worker_results(module, a.world, args)[0]  # rank 0's holds every rank's
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert result is not None
+    reported(result, a.out, table)
