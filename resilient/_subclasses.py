@@ -125,7 +125,7 @@ def saved_parts(t: torch.Tensor, path: str, *, saving: bool) -> SavedParts | Non
     blocks: list[str] = []
     for name, kind in (kinds or {}).items():
         shape = _blocks_shape(tuple(t.shape), kind, frozenset()) if isinstance(kind, int) else None
-        if shape is not None:
+        if shape is not None and items[name].is_contiguous():  # else saved flat, as it is held
             items[name] = items[name].view(shape)
             blocks.append(name)
     return SavedParts(names, context, items, blocks)
@@ -158,7 +158,8 @@ def _placed_parts(t: torch.Tensor, local: torch.Tensor, names: list[str], contex
         if isinstance(kind, int):
             shape = _blocks_shape(tuple(t.shape), kind, sharded, strided)
             local_shape = _blocks_shape(tuple(local.shape), kind, sharded, strided) if shape is not None else None
-            if shape is None or local_shape is None or len(shape) != len(local_shape):
+            if (shape is None or local_shape is None or len(shape) != len(local_shape)
+                    or not part.is_contiguous()):
                 raise UnsupportedStateError(
                     f"state[{path!r}]: it is a DTensor over a {cls} whose part {name!r} holds one value per "
                     f"{kind} elements, and blocks of {kind} do not divide the last dimension, nor the rows, of "
@@ -294,7 +295,7 @@ def blocks_template(param: torch.Tensor, shape: list[int], name: str) -> torch.T
     if _blocks_shape(tuple(param.shape), param.numel() // total, sharded, strided) != tuple(shape):
         return None
     box = placed_box(tuple(shape), param.device_mesh, placements, name)
-    local = torch.empty(box.sizes, dtype=torch.float32, device=local_tensor(param).device)
+    local = torch.empty((), dtype=torch.uint8, device=local_tensor(param).device).expand(box.sizes)  # no memory
     return DTensor.from_local(local, param.device_mesh, placements, shape=torch.Size(shape),
                               stride=_contiguous_stride(tuple(shape)), run_check=False)
 
