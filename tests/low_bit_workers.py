@@ -43,13 +43,18 @@ class Net(torch.nn.Module):
         return self.down(torch.relu(self.up(x))) * self.gain[:8] + self.gain[8:16].sum()
 
 
-def build(sharded: bool, optimizer: str = "AdamW8bit", rows: int = 50) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(sharded: bool, optimizer: str = "AdamW8bit", hsdp: bool = False) -> tuple[torch.nn.Module,
+                                                                                     torch.optim.Optimizer]:
+    """The model, sharded by FSDP2 over every rank, or (``hsdp``) over half of them and
+    replicated across the halves, and a fresh optimizer."""
     import torchao.optim
 
     torch.manual_seed(0)
-    model = Net(rows)
+    model = Net()
     if sharded:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        world = dist.get_world_size()
+        mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp
+                else init_device_mesh("cpu", (world,)))
         for layer in (model.up, model.down):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -81,8 +86,9 @@ def _whole(value: torch.Tensor) -> torch.Tensor | tuple:
             return value.full_tensor()
         names, context = local.__tensor_flatten__()
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {n: _bits(getattr(local, n)) for n in names})
-        parts = {n: gathered[0][n] if n in TABLES else torch.cat([g[n] for g in gathered]) for n in names}
+        dist.all_gather_object(gathered, (_shard_of(value), {n: _bits(getattr(local, n)) for n in names}))
+        shards = [held for (replica, _), held in sorted(gathered, key=lambda g: g[0][1]) if replica == 0]
+        parts = {n: shards[0][n] if n in TABLES else torch.cat([held[n] for held in shards]) for n in names}
         context = [torch.Size(value.shape) if c == local.shape else c for c in context]
         return type(local).__name__, parts, context
     if hasattr(value, "__tensor_flatten__") and type(value) is not torch.Tensor:
@@ -117,20 +123,27 @@ def compare(got: dict, want: dict, when: str) -> None:
             assert g.dtype == w.dtype and torch.equal(g, w), (when, key)
 
 
+def _shard_of(value: DTensor) -> tuple[int, int]:
+    """(which replica, which shard) this rank holds: HSDP's mesh is (replicas, shards)."""
+    coordinate = value.device_mesh.get_coordinate()
+    return (coordinate[0], coordinate[1]) if len(coordinate) == 2 else (0, coordinate[0])
+
+
 def _rows(param: DTensor) -> slice:
     """This rank's rows of a parameter FSDP2 shards (torch.chunk's split)."""
-    rows, world, rank = param.shape[0], dist.get_world_size(), dist.get_rank()
-    each = -(-rows // world)
-    return slice(min(rank * each, rows), min((rank + 1) * each, rows))
+    rows, shards, shard = param.shape[0], param.device_mesh.size(-1), _shard_of(param)[1]
+    each = -(-rows // shards)
+    return slice(min(shard * each, rows), min((shard + 1) * each, rows))
 
 
-def twin(reference: dict, sharded: bool, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def twin(reference: dict, sharded: bool, optimizer: str, hsdp: bool) -> tuple[torch.nn.Module,
+                                                                              torch.optim.Optimizer]:
     """A model and optimizer given the reference's state without resilient: parameters
     distributed by torch, quantized states rebuilt whole and sliced by torchao
     (``state[rows]``)."""
     import torchao.optim
 
-    model, optim = build(sharded, optimizer)
+    model, optim = build(sharded, optimizer, hsdp)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
@@ -173,7 +186,7 @@ def save(a: dict) -> None:
     step more and a restore in place gives step 3's state back."""
     rank, world = init()
     with torch.compiler.set_stance("force_eager"):  # torchao compiles its step; eager spares inductor
-        model, optim = build(True, a["optimizer"])
+        model, optim = build(True, a["optimizer"], a.get("hsdp", False))
         train_steps(model, optim, 0, 3)
         kinds = {type(value.to_local()).__name__ for key, value in optim.state[model.up.weight].items()
                  if isinstance(value, DTensor)}
@@ -197,7 +210,7 @@ def resume(a: dict) -> None:
     rank, world = init()
     sharded = a["sharded"]
     with torch.compiler.set_stance("force_eager"):
-        model, optim = build(sharded, a["optimizer"])
+        model, optim = build(sharded, a["optimizer"], a.get("resume_hsdp", False))
         with Checkpointer(a["root"]) as ckpt:
             assert ckpt.restore({"model": model, "optim": optim}) == 3
         reference = torch.load(a["reference"], weights_only=True)
@@ -210,7 +223,7 @@ def resume(a: dict) -> None:
                     value = value.to_local()
                 quantized = isinstance(reference[f"state/{_name(model, param)}/{key}"], tuple)
                 assert (type(value).__name__ == a["state_class"]) == quantized, (key, type(value))
-        twin_model, twin_optim = twin(reference, sharded, a["optimizer"])
+        twin_model, twin_optim = twin(reference, sharded, a["optimizer"], a.get("resume_hsdp", False))
         train_steps(model, optim, 3, 4)
         train_steps(twin_model, twin_optim, 3, 4)
         compare(full_state(model, optim), full_state(twin_model, twin_optim), "after the next step")

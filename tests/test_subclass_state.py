@@ -266,18 +266,18 @@ def fsdp2_low_bit(tmp_path_factory):
     pytest.importorskip("torchao.optim")
     from .launch import run_ranks
 
-    runs: dict[tuple[str, int], dict] = {}
+    runs: dict[tuple[str, int, bool], dict] = {}
 
-    def get(optimizer: str, world: int) -> dict:
-        if (optimizer, world) not in runs:
-            d = tmp_path_factory.mktemp(f"{optimizer}-{world}")
+    def get(optimizer: str, world: int, hsdp: bool = False) -> dict:
+        if (optimizer, world, hsdp) not in runs:
+            d = tmp_path_factory.mktemp(f"{optimizer}-{world}{'-hsdp' if hsdp else ''}")
             args = {"root": str(d / "ckpt"), "reference": str(d / "reference.pt"), "optimizer": optimizer,
-                    "state_class": LOW_BIT[optimizer]}
+                    "state_class": LOW_BIT[optimizer], "hsdp": hsdp}
             results = run_ranks("save", world, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"},
                                 timeout=150)
             assert all(f"saved at world {world}" in r.output for r in results)
-            runs[(optimizer, world)] = args
-        return runs[(optimizer, world)]
+            runs[(optimizer, world, hsdp)] = args
+        return runs[(optimizer, world, hsdp)]
 
     return get
 
@@ -300,6 +300,19 @@ def test_fsdp2_with_a_low_bit_optimizer_resumes_at_any_world_size_and_without_fs
     args = {**fsdp2_low_bit(optimizer, saved_world), "sharded": sharded}
     env = {"FORCE_DIST": "1"} if sharded else {}
     for result in run_ranks("resume", world, args, module="tests.low_bit_workers", env=env, timeout=150):
+        assert f"resumed at world {world}" in result.output, result.output[-2000:]
+
+
+@pytest.mark.parametrize("world,resume_hsdp", [(4, True), (2, False)])
+def test_hsdp_with_adamw8bit_resumes_as_hsdp_and_as_fsdp2(fsdp2_low_bit, world, resume_hsdp):
+    """HSDP (2 replicas of 2 shards on 4 ranks) with AdamW8bit: each shard's codes and
+    scales are written once, whatever replicates them, and come back at the same layout
+    and on 2 FSDP2 ranks, with the twin's next step."""
+    from .launch import run_ranks
+
+    args = {**fsdp2_low_bit("AdamW8bit", 4, hsdp=True), "sharded": True, "resume_hsdp": resume_hsdp}
+    for result in run_ranks("resume", world, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"},
+                            timeout=150):
         assert f"resumed at world {world}" in result.output, result.output[-2000:]
 
 
