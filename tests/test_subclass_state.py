@@ -13,6 +13,7 @@ import torch
 
 from resilient import Checkpointer, StateError, UnsupportedStateError
 from resilient._format import MANIFEST, step_dir_name
+from resilient.ckpt import main as ckpt_main
 from tests.wrapped_tensors import Scaled, Viewable, scaled
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,7 +44,7 @@ def _same_state(a: list[dict], b: list[dict]) -> bool:
         for x, y in zip(a, b))
 
 
-def test_adamw8bit_resumed_into_a_fresh_optimizer_takes_the_same_next_step(root):
+def test_adamw8bit_resumed_into_a_fresh_optimizer_takes_the_same_next_step(root, capsys):
     torchao_optim = pytest.importorskip("torchao.optim")
 
     def build():
@@ -72,6 +73,14 @@ def test_adamw8bit_resumed_into_a_fresh_optimizer_takes_the_same_next_step(root)
             manifest = json.load(f)
         assert manifest["version"] == 6  # a reader of format 4 or 5 asks for an upgrade instead of misreading it
         assert manifest["tensors"]["optim/state/0/exp_avg/scale"]["shape"] == [64, 1]  # blocks of a row of 128
+        # the CLI reads format 6: every checksum, the parts listed, an export holding them as tensors
+        assert ckpt_main(["verify", root]) == 0
+        assert ckpt_main(["show", root]) == 0
+        assert "optim/state/0/exp_avg/scale" in capsys.readouterr().out
+        exported = os.path.join(os.path.dirname(root), "export.pt")
+        assert ckpt_main(["export", "--format", "torch", root, exported]) == 0
+        parts = torch.load(exported, weights_only=True)["optim"]["state"][0]["exp_avg"]
+        assert parts["codes"].dtype == torch.uint8 and parts["scale"].shape == (64, 1)
         assert {"optim/state/0/exp_avg/codes", "optim/state/0/exp_avg/scale",
                 "optim/state/0/exp_avg/qmap"} <= manifest["tensors"].keys()
 
