@@ -234,6 +234,87 @@ def _name(model: torch.nn.Module, param: torch.Tensor) -> str:
     return next(n for n, p in model.named_parameters() if p is param)
 
 
+class Block(torch.nn.Module):
+    """A transformer's MLP: ``up`` split by columns of its output (ColwiseParallel: rows of
+    the weight), ``down`` by its input (RowwiseParallel: columns of the weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(BLOCK, 2 * BLOCK, bias=False)
+        self.down = torch.nn.Linear(2 * BLOCK, BLOCK, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def build_tp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Tensor parallel over pairs of ranks, FSDP2 across them, as torchtitan composes them:
+    ``up``'s weight placed (_StridedShard(0), Shard(0)), ``down``'s (Shard(0), Shard(1))."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchao.optim import AdamW8bit
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Block()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return model, AdamW8bit(model.parameters(), lr=1e-2)
+
+
+def _dequantized(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and moment as a whole plain tensor, by torch's own ``full_tensor``;
+    a quantized moment dequantized on its rank first (its codes and scales are equal where
+    these are)."""
+    out = {}
+    for name, param in model.named_parameters():
+        out[name] = param.full_tensor()
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = optim.state[param][key]
+            local = value.to_local()
+            assert type(local).__name__ == "OptimState8bit" and value.placements == param.placements, (name, key)
+            out[f"{name}/{key}"] = DTensor.from_local(local.dequantize(), value.device_mesh, value.placements,
+                                                      shape=value.shape, stride=value.stride(),
+                                                      run_check=False).full_tensor()
+    return out
+
+
+def tp_save(a: dict) -> None:
+    """FSDP2 + TP with AdamW8bit, 3 steps, step 3 saved; the reference is the whole state."""
+    rank, world = init()
+    with torch.compiler.set_stance("force_eager"):
+        model, optim = build_tp()
+        x = torch.randn(8, BLOCK, generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            optim.zero_grad()
+            model(x).square().mean().backward()
+            optim.step()
+        with Checkpointer(a["root"]) as ckpt:
+            ckpt.save(3, {"model": model, "optim": optim}).result()
+        reference = _dequantized(model, optim)
+    if rank == 0:
+        torch.save(reference, a["reference"])
+    print(f"rank {rank} saved at world {world}", flush=True)
+
+
+def tp_resume(a: dict) -> None:
+    """A fresh FSDP2 + TP model and optimizer at this world size, restored: the same whole
+    state, each moment a DTensor over the class placed as its parameter; then a step."""
+    rank, world = init()
+    with torch.compiler.set_stance("force_eager"):
+        model, optim = build_tp()
+        with Checkpointer(a["root"]) as ckpt:
+            assert ckpt.restore({"model": model, "optim": optim}) == 3
+        reference = torch.load(a["reference"], weights_only=True)
+        got = _dequantized(model, optim)
+        assert got.keys() == reference.keys()
+        for key, want in reference.items():
+            assert torch.equal(got[key], want), key
+        model(torch.randn(8, BLOCK)).square().mean().backward()
+        optim.step()
+    print(f"rank {rank} resumed at world {world}", flush=True)
+
+
 def refused_where_shards_differ(a: dict) -> None:
     """7 rows of 2048 on 3 ranks: shards of 3, 3 and 1 rows, the last too small for
     torchao to quantize. The save is refused on every rank, naming the state, and nothing
@@ -262,7 +343,7 @@ def refused_where_shards_differ(a: dict) -> None:
     assert not [n for n in os.listdir(a["root"]) if n.startswith("step-")] if os.path.isdir(a["root"]) else True
 
 
-SCENARIOS = {f.__name__: f for f in (save, resume, refused_where_shards_differ)}
+SCENARIOS = {f.__name__: f for f in (save, resume, tp_save, tp_resume, refused_where_shards_differ)}
 
 if __name__ == "__main__":
     SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))

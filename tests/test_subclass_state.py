@@ -325,6 +325,23 @@ def test_hsdp_with_adamw8bit_resumes_as_hsdp_and_as_fsdp2(fsdp2_low_bit, world, 
         assert f"resumed at world {world}" in result.output, result.output[-2000:]
 
 
+def test_fsdp2_with_tensor_parallel_and_adamw8bit_resumes_on_fewer_ranks(tmp_path):
+    """FSDP2 + TP (2 x 2 ranks; ``up`` placed (_StridedShard(0), Shard(0)), ``down``
+    (Shard(0), Shard(1)): blocks lie within each row of a shard of columns) with
+    AdamW8bit: restored at 2 x 2 and at 1 x 2 ranks, every parameter and moment, whole
+    and dequantized by torch's own ``full_tensor``, is the saved one."""
+    pytest.importorskip("torchao.optim")
+    from .launch import run_ranks
+
+    args = {"root": str(tmp_path / "ckpt"), "reference": str(tmp_path / "reference.pt")}
+    results = run_ranks("tp_save", 4, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"}, timeout=150)
+    assert all("saved at world 4" in r.output for r in results)
+    for world in (4, 2):
+        for result in run_ranks("tp_resume", world, args, module="tests.low_bit_workers", env={"FORCE_DIST": "1"},
+                                timeout=150):
+            assert f"resumed at world {world}" in result.output, result.output[-2000:]
+
+
 def test_fsdp2_low_bit_state_with_overlapped_staging_restores_in_place(tmp_path):
     pytest.importorskip("torchao.optim")
     from .launch import run_ranks
