@@ -224,7 +224,7 @@ class _SavedByEveryRank:
         view = self._view(path, replace=True) if self.is_global_zero else None
         failed: Exception | None = None
         try:
-            mine = done_with(self._saving, self._saves)
+            mine = done_with(self._saving, self._saves, _key(path))
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank has heard of it
             mine, failed = [], exc
         sent = None if rest is None else _move(rest, torch.device("cpu"))  # not onto another rank's device

@@ -25,8 +25,8 @@ from ._fence import CopyProgress, CopyThread, StagingFence, register
 from ._hostmem import HostBuffer, can_populate, populate
 from ._layout import Box, shard_box, sharding_order
 
-__all__ = ["Blob", "RankPlan", "Staging", "is_dtensor", "dtensor_box", "placed_box", "byte_view", "bitwise", "local_tensor",
-           "storage_shortfall"]
+__all__ = ["Blob", "RankPlan", "Staging", "is_dtensor", "dtensor_box", "placed_box", "byte_view", "bitwise",
+           "local_tensor", "storage_shortfall"]
 
 log = logging.getLogger("resilient")
 

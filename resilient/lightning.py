@@ -146,7 +146,7 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         if os.path.isfile(path) or os.path.islink(path):
             os.remove(path)  # a torch.save file, or a link (``save_last="link"``): replaced
         path = _key(path)
-        self._finish_done()
+        self._finish_done(path)
         self._housekeeper.sweep(os.path.dirname(path))
         state = storable(checkpoint)
         ckpt = checkpointer_for(self._open, self._saves, path, lambda: self._checkpointer(path, SoloCoordinator()))
@@ -271,8 +271,8 @@ class ResilientCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
     def _finish(self, path: str) -> None:
         finish(self._open, path)
 
-    def _finish_done(self) -> None:
-        for path in done_with(self._open, self._saves):
+    def _finish_done(self, now: str) -> None:
+        for path in done_with(self._open, self._saves, now):
             self._housekeeper.close(self._open.pop(path))
 
 
@@ -320,12 +320,15 @@ def finish_all(saving: dict[str, Checkpointer]) -> Exception | None:
     return failed
 
 
-def done_with(saving: dict[str, Checkpointer], saves: Counter[str]) -> list[str]:
+def done_with(saving: dict[str, Checkpointer], saves: Counter[str], now: str) -> list[str]:
     """The paths in ``saving`` whose checkpointers may be closed: their save has committed
     and drained (their threads need not linger), and the path was saved once (``saves``;
-    ``last.ckpt``, saved again and again, goes on with its checkpointer). A save that failed
-    in the background is raised here, once (its checkpointer closed), as Lightning's
-    ``AsyncCheckpointIO`` raises at the next save.
+    ``last.ckpt``, saved again and again, goes on with its checkpointer), and it is not
+    ``now``, the path about to be saved: its count goes up with this save, and closed here,
+    its checkpointer was made again at once (seen when its upload drained between the two
+    saves of one checkpoint, the step's file and ``last.ckpt``, under a loaded CI). A save
+    that failed in the background is raised here, once (its checkpointer closed), as
+    Lightning's ``AsyncCheckpointIO`` raises at the next save.
 
     Why paths saved again keep theirs: a new checkpointer for each save of a path waited,
     inside the step, for the previous save there to be committed and drained to the object
@@ -338,7 +341,7 @@ def done_with(saving: dict[str, Checkpointer], saves: Counter[str]) -> list[str]
         handle = ckpt._inflight
         if handle is not None and handle.done() and handle._error is not None:
             finish(saving, path)  # raises
-        elif (saves[path] < 2 and (handle is None or handle.done())
+        elif (path != now and saves[path] < 2 and (handle is None or handle.done())
               and not (ckpt._uploader and ckpt._uploader.pending())):
             done.append(path)
     return done

@@ -579,6 +579,24 @@ def test_a_path_saved_again_does_not_wait_for_its_upload(tmp_path, monkeypatch):
     assert fresh.load_checkpoint(tmp_path / "another-node" / "last.ckpt")["epoch"] == 5
 
 
+def test_a_path_saved_again_after_its_upload_drained_keeps_its_checkpointer(tmp_path):
+    """The second save of ``last.ckpt``, its first one committed and drained: the path was
+    then saved once, and the save closed its checkpointer just before saving there again
+    with a new one, which waited for the old one's upload and listed the store (seen in
+    ``test_lightning_parallel``'s run under a loaded CI, where the upload drained between
+    the two saves of one checkpoint). The path about to be saved keeps its checkpointer."""
+    from resilient.lightning import ResilientCheckpointIO
+
+    io = ResilientCheckpointIO(remote=f"file://{tmp_path / 'bucket'}")
+    io.save_checkpoint(_checkpoint(1), tmp_path / "last.ckpt")
+    first = io._open[str(tmp_path / "last.ckpt")]
+    first.flush(timeout=60)
+    io.save_checkpoint(_checkpoint(2), tmp_path / "last.ckpt")
+    assert io._open[str(tmp_path / "last.ckpt")] is first
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["epoch"] == 2
+
+
 def test_a_failed_save_is_raised_at_the_next_save_once(tmp_path, monkeypatch):
     """A save whose write fails in the background is raised from the plugin's next save (as
     Lightning's AsyncCheckpointIO raises it), once: the save after it goes on, and what is

@@ -103,11 +103,11 @@ class Buffers(Callback):
 if os.environ.get("FAIL_ALONE") and os.environ.get("LOCAL_RANK") == "1":  # a failure rank 1 alone meets
     import resilient._lightning_parallel as strategy_module
     looked = []
-    def done_with(saving, saves, _real=strategy_module.done_with):
+    def done_with(saving, saves, now, _real=strategy_module.done_with):
         looked.append(1)
         if len(looked) == 2:  # at the second checkpoint's save
             raise OSError("rank 1 alone")
-        return _real(saving, saves)
+        return _real(saving, saves, now)
     strategy_module.done_with = done_with
 
 ckpts, out, steps, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
