@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -309,7 +309,7 @@ def class_name(cls: type) -> str:
 
 
 def rebuilt(name: str, inner: dict[str, torch.Tensor], context: Any, shape: list[int], stride: list[int],
-            path: str, blocks: list[str] = ()) -> torch.Tensor:  # type: ignore[assignment]
+            path: str, blocks: Sequence[str] = ()) -> torch.Tensor:
     """The subclass ``name`` made from its saved parts, if the program allows the class;
     a DTensor over it where the parts are DTensors (sharded state, placed as they are)."""
     cls = _allowed(name)

@@ -164,8 +164,11 @@ def _netns_usable() -> bool:
 
     if os.geteuid() != 0 or not shutil.which("ip"):
         return False
-    probe = subprocess.run(["ip", "netns", "add", "rsim-probe"], capture_output=True)
-    subprocess.run(["ip", "netns", "del", "rsim-probe"], capture_output=True)
+    # a name of this process's own: two pytest workers probing at once under one name made
+    # one of them skip the test (seen in CI: "ip netns add" fails for a name that exists)
+    name = f"rsim-probe-{os.getpid()}"
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return probe.returncode == 0
 
 
