@@ -33,10 +33,10 @@ class Net(torch.nn.Module):
     17 and 16 rows at 3), ``gain`` (1-D, 12,288 values); ``down`` (8 x 50) is kept in full
     precision everywhere (fewer than 4096 values)."""
 
-    def __init__(self, rows: int = 50) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.up = torch.nn.Linear(BLOCK, rows, bias=False)
-        self.down = torch.nn.Linear(rows, 8)
+        self.up = torch.nn.Linear(BLOCK, 50, bias=False)
+        self.down = torch.nn.Linear(50, 8)
         self.gain = torch.nn.Parameter(torch.ones(3 * 4096))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
